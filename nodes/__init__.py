@@ -1,0 +1,14 @@
+"""The pack's ComfyUI nodes (V3 schema)."""
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from .parallel_config import ParallelConfigNode
+from .shard_transformer import ShardTransformerNode
+
+NODES = [ParallelConfigNode, ShardTransformerNode]
+
+
+class HybridParallelExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)

@@ -1,0 +1,56 @@
+"""Parallel Config: the mesh sizes, devices and backend, validated before anything runs."""
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..parallel_runtime.config import BACKENDS, ConfigError, build_config
+from .host import host_devices
+
+ParallelConfigType = io.Custom("PARALLEL_CONFIG")
+
+_SIZE_TOOLTIPS = {
+    "ulysses_size": "Context parallelism by heads (Ulysses): ranks that split the tokens and exchange "
+                    "attention heads. Must divide the model's attention head count.",
+    "ring_size": "Context parallelism by key/value blocks passed around a ring (Ring attention).",
+    "tp_size": "Tensor parallelism: ranks that split each layer's weights.",
+    "cfg_size": "2 runs the conditional and unconditional passes on different ranks (needs CFG above 1).",
+}
+
+
+class ParallelConfigNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ParallelConfig",
+            display_name="Parallel Config",
+            category="parallel",
+            description="How to spread the models over several devices. The world size (number of ranks) is "
+                        "the product of the sizes; ComfyUI itself is rank 0. Feed it to Shard Transformer.",
+            inputs=[
+                *[io.Int.Input(name, default=1, min=1, max=1024, tooltip=tip) for name, tip in _SIZE_TOOLTIPS.items()],
+                io.String.Input("devices", default="auto", tooltip="'auto' (ComfyUI's device type, as many as the "
+                                "world size), 'cpu', or one device per rank: '0,1,2,3', 'cuda:0,cuda:1', "
+                                "'cpu,cpu'. The first device is ComfyUI's own."),
+                io.Combo.Input("backend", options=list(BACKENDS), default="auto",
+                               tooltip="auto: NCCL on CUDA devices, gloo on the CPU."),
+            ],
+            outputs=[ParallelConfigType.Output(display_name="parallel_config")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto"):
+        values = dict(ulysses_size=ulysses_size, ring_size=ring_size, tp_size=tp_size, cfg_size=cfg_size,
+                      devices=devices, backend=backend)
+        if any(v is None for v in values.values()):
+            return True  # linked from another node: checked when the node runs
+        try:
+            build_config(**values, host=host_devices())
+        except ConfigError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
+    def execute(cls, ulysses_size, ring_size, tp_size, cfg_size, devices, backend) -> io.NodeOutput:
+        config = build_config(ulysses_size=ulysses_size, ring_size=ring_size, tp_size=tp_size, cfg_size=cfg_size,
+                              devices=devices, backend=backend, host=host_devices())
+        return io.NodeOutput(config)

@@ -1,0 +1,69 @@
+"""Shard Transformer: MODEL + PARALLEL_CONFIG -> MODEL that runs on every rank.
+
+Nothing starts here: the node checks that the model and the config fit together
+and puts two wrappers on a clone of the ModelPatcher. The workers start when the
+first sampler runs. LoRA and other weight patches applied before or after this
+node reach every rank: the weights are shared after ComfyUI has patched them.
+"""
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..parallel_runtime.comfy_wrappers import DIFFUSION_MODEL, OUTER_SAMPLE, WRAPPER_KEY, ShardedForward, ShardedRun
+from ..parallel_runtime.config import ConfigError, ParallelConfig
+from ..parallel_runtime.plans import find_plan, supported_models_text
+from .parallel_config import ParallelConfigType
+
+NODE = "Shard Transformer"
+
+
+def check_model(diffusion_model, config: ParallelConfig):
+    """The plan for this model, or a ConfigError a user can act on."""
+    plan = find_plan(diffusion_model)
+    cls = type(diffusion_model)
+    if plan is None:
+        raise ConfigError(f"{NODE}: the model class {cls.__module__}.{cls.__qualname__} is not supported; "
+                          f"supported: {supported_models_text()}")
+    for dim, size in config.mesh_sizes.items():
+        if size > 1 and dim not in plan.supports:
+            raise ConfigError(f"{NODE}: {plan.title} supports {', '.join(plan.supports)} here, not "
+                              f"{dim}_size={size}; set {dim}_size to 1")
+    heads = plan.heads(diffusion_model)
+    if heads % config.ulysses_size:
+        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ConfigError(f"{NODE}: ulysses_size={config.ulysses_size} does not divide the {heads} attention "
+                          f"heads of this {plan.title} model; valid ulysses_size values: "
+                          f"{', '.join(map(str, valid))}")
+    return plan
+
+
+class ShardTransformerNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ShardTransformer",
+            display_name="Shard Transformer",
+            category="parallel",
+            description="Runs the diffusion transformer on every rank of the Parallel Config (context "
+                        f"parallelism). Supported: {supported_models_text()}. Works with the stock samplers "
+                        "and LoRA loaders before or after it.",
+            inputs=[
+                io.Model.Input("model"),
+                ParallelConfigType.Input("parallel_config"),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, parallel_config: ParallelConfig) -> io.NodeOutput:
+        if not isinstance(parallel_config, ParallelConfig):
+            raise ConfigError(f"{NODE}: parallel_config must come from a Parallel Config node, got "
+                              f"{type(parallel_config).__name__}")
+        plan = check_model(model.model.diffusion_model, parallel_config)
+        patched = model.clone()
+        for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
+            patched.remove_wrappers_with_key(kind, WRAPPER_KEY)  # a second Shard Transformer replaces the first
+        if parallel_config.world_size > 1:
+            patched.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, ShardedRun(parallel_config))
+            patched.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, ShardedForward(parallel_config, plan.family))
+        return io.NodeOutput(patched)

@@ -1,0 +1,54 @@
+"""The two wrappers Shard Transformer puts on ComfyUI's ModelPatcher.
+
+- ``OUTER_SAMPLE`` (once per sampling run): starts or reuses the workers before
+  ComfyUI loads the model, marks a new run (weights may have changed: LoRA), and
+  moves our forward wrapper innermost, so that wrappers of other nodes (caches
+  that skip steps, for example) decide on rank 0 whether a forward happens at all,
+  and every forward that does happen runs on all ranks.
+- ``DIFFUSION_MODEL`` (every forward): dispatches the forward to all ranks and
+  runs rank 0's shard under the model's context-parallel plan.
+
+Both are plain callables holding the config; they carry no ``.to`` method, so
+ComfyUI's cast of wrappers leaves them alone.
+"""
+from __future__ import annotations
+
+from .config import ParallelConfig
+from .plans import plan_for_family
+from .runtime import RUNTIME
+
+WRAPPER_KEY = "hybrid_parallel"
+OUTER_SAMPLE = "outer_sample"        # comfy.patcher_extension.WrappersMP names
+DIFFUSION_MODEL = "diffusion_model"
+
+
+class ShardedRun:
+    def __init__(self, config: ParallelConfig):
+        self.config = config
+
+    def __call__(self, executor, *args, **kwargs):
+        guider = executor.class_obj
+        options = getattr(guider, "model_options", {}).get("transformer_options", {})
+        forward_wrappers = options.get("wrappers", {}).get(DIFFUSION_MODEL, {})
+        if WRAPPER_KEY in forward_wrappers:
+            forward_wrappers[WRAPPER_KEY] = forward_wrappers.pop(WRAPPER_KEY)  # last = innermost
+        RUNTIME.world_for(self.config)
+        RUNTIME.begin_run()
+        return executor(*args, **kwargs)
+
+
+class ShardedForward:
+    def __init__(self, config: ParallelConfig, family: str):
+        self.config = config
+        self.family = family
+
+    def __call__(self, executor, *args, **kwargs):
+        inner = executor.wrappers[executor.idx + 1:]
+        if inner:
+            names = ", ".join(f"{getattr(w, '__module__', '?')}.{getattr(w, '__qualname__', type(w).__name__)}"
+                              for w in inner)
+            raise RuntimeError(f"Shard Transformer: other forward wrappers ({names}) would run inside the sharded "
+                               "forward on rank 0 only; this version cannot run them on every rank")
+        module = executor.class_obj
+        world = RUNTIME.world_for(self.config)
+        return world.forward(module, plan_for_family(self.family), executor, args, kwargs, epoch=RUNTIME.run_epoch)

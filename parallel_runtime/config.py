@@ -1,0 +1,192 @@
+"""The parallel configuration that travels through the graph, and its validation.
+
+Pure Python: importing this module starts nothing and touches no
+``torch.distributed`` state, so the nodes can validate inputs cheaply.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+# Outermost to innermost; tp innermost keeps each TP group on neighbouring devices.
+MESH_DIMS = ("cfg", "ring", "ulysses", "tp")
+SIZE_INPUTS = {"cfg": "cfg_size", "ring": "ring_size", "ulysses": "ulysses_size", "tp": "tp_size"}
+BACKENDS = ("auto", "nccl", "gloo")
+
+# What this version of the runtime can run. Every other size must be 1, and a
+# config asking for more is refused at the node instead of being ignored.
+IMPLEMENTED_DIMS = ("ulysses",)
+
+NODE = "Parallel Config"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message names node, value and valid choices."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A validated, resolved parallel configuration (output type PARALLEL_CONFIG)."""
+
+    cfg_size: int = 1
+    ring_size: int = 1
+    ulysses_size: int = 1
+    tp_size: int = 1
+    devices: tuple[str, ...] = ("cpu",)  # one resolved torch device string per rank
+    backend: str = "gloo"                 # resolved: "gloo" or "nccl"
+    devices_spec: str = field(default="auto", compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg_size * self.ring_size * self.ulysses_size * self.tp_size
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        return {dim: getattr(self, SIZE_INPUTS[dim]) for dim in MESH_DIMS}
+
+    @property
+    def device_type(self) -> str:
+        return self.devices[0].split(":", 1)[0]
+
+    def describe(self) -> str:
+        dims = " x ".join(f"{d}{s}" for d, s in self.mesh_sizes.items() if s > 1) or "single rank"
+        return f"{dims} on {', '.join(self.devices)} ({self.backend})"
+
+
+def _fail(input_name: str, value, valid: str, node: str = NODE) -> ConfigError:
+    return ConfigError(f"{node}: {input_name}={value!r} is not valid; {valid}")
+
+
+def validate_sizes(sizes: dict[str, int], node: str = NODE) -> None:
+    """Sizes must be integers >= 1, and only implemented dimensions may exceed 1."""
+    for dim in MESH_DIMS:
+        value = sizes.get(dim, 1)
+        name = SIZE_INPUTS[dim]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise _fail(name, value, "sizes are whole numbers of at least 1", node)
+    for dim in MESH_DIMS:
+        value = sizes.get(dim, 1)
+        if value > 1 and dim not in IMPLEMENTED_DIMS:
+            implemented = ", ".join(SIZE_INPUTS[d] for d in IMPLEMENTED_DIMS)
+            raise _fail(SIZE_INPUTS[dim], value,
+                        f"this version of the pack runs {implemented} only, so {SIZE_INPUTS[dim]} must be 1", node)
+
+
+_CUDA_ITEM = re.compile(r"^(?:cuda:)?(\d+)$")
+
+
+def parse_devices(spec: str, node: str = NODE) -> list[str] | str:
+    """Parse the ``devices`` input.
+
+    Returns "auto" or "cpu" (to be resolved against the world size), or an
+    explicit per-rank list of torch device strings.
+    """
+    valid = ("use 'auto', 'cpu', or a comma-separated list of devices with one entry per rank, "
+             "such as '0,1,2,3', 'cuda:0,cuda:1' or 'cpu,cpu'")
+    text = (spec or "").strip().lower()
+    if text in ("auto", "cpu"):
+        return text
+    if not text:
+        raise _fail("devices", spec, valid, node)
+    items = [item.strip() for item in text.split(",")]
+    resolved = []
+    for item in items:
+        if item == "cpu":
+            resolved.append("cpu")
+            continue
+        match = _CUDA_ITEM.match(item)
+        if not match:
+            raise _fail("devices", spec, f"entry {item!r} is neither 'cpu' nor a CUDA index; {valid}", node)
+        resolved.append(f"cuda:{int(match.group(1))}")
+    kinds = {d.split(":")[0] for d in resolved}
+    if len(kinds) > 1:
+        raise _fail("devices", spec, "all ranks must use the same kind of device (all CPU or all CUDA)", node)
+    cuda = [d for d in resolved if d != "cpu"]
+    if len(set(cuda)) != len(cuda):
+        raise _fail("devices", spec, "each CUDA device may appear once (one rank per device)", node)
+    return resolved
+
+
+@dataclass(frozen=True)
+class HostDevices:
+    """What the machine offers; taken from ComfyUI's own device choice."""
+
+    main_device: str      # the device ComfyUI computes on (rank 0), e.g. "cpu" or "cuda:0"
+    cuda_count: int = 0
+    cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+
+def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE) -> tuple[str, ...]:
+    main_is_cuda = host.main_device.startswith("cuda")
+    if parsed == "auto":
+        parsed = "cuda" if main_is_cuda else "cpu"
+        if parsed == "cuda":
+            first = int(host.main_device.split(":")[1]) if ":" in host.main_device else 0
+            order = [first] + [i for i in range(host.cuda_count) if i != first]
+            if world_size > len(order):
+                raise _fail("devices", "auto", f"the world size {world_size} (product of the sizes) needs "
+                            f"{world_size} devices but this machine has {host.cuda_count} CUDA devices; "
+                            f"reduce the sizes so that their product is at most {host.cuda_count}", node)
+            return tuple(f"cuda:{i}" for i in order[:world_size])
+    if parsed == "cpu":
+        if main_is_cuda:
+            raise _fail("devices", "cpu", f"ComfyUI computes on {host.main_device}; start ComfyUI with --cpu "
+                        "to run CPU ranks, or use 'auto'", node)
+        if world_size > host.cpu_count:
+            raise _fail("devices", "cpu", f"the world size {world_size} needs {world_size} CPU ranks but this "
+                        f"machine has {host.cpu_count} cores; reduce the sizes to a product of at most "
+                        f"{host.cpu_count}, or list the CPU ranks explicitly (for example "
+                        f"'{','.join(['cpu'] * world_size)}') to oversubscribe on purpose", node)
+        return tuple(["cpu"] * world_size)
+    devices = list(parsed)
+    spec = ",".join(devices)
+    if len(devices) != world_size:
+        raise _fail("devices", spec, f"it lists {len(devices)} devices but the sizes multiply to a world size of "
+                    f"{world_size}; give exactly one device per rank", node)
+    if devices[0] == "cpu":
+        if main_is_cuda:
+            raise _fail("devices", spec, f"ComfyUI computes on {host.main_device}; CPU ranks need ComfyUI "
+                        "started with --cpu", node)
+        return tuple(devices)
+    if not main_is_cuda:
+        raise _fail("devices", spec, "ComfyUI runs on the CPU here, so CUDA ranks are not available; "
+                    "use 'cpu' or 'auto'", node)
+    missing = [d for d in devices if int(d.split(":")[1]) >= host.cuda_count]
+    if missing:
+        raise _fail("devices", spec, f"{', '.join(missing)} not present: this machine has {host.cuda_count} "
+                    f"CUDA devices (cuda:0 to cuda:{host.cuda_count - 1})", node)
+    if devices[0] != _canonical(host.main_device):
+        raise _fail("devices", spec, f"the first device is rank 0, which is ComfyUI itself, so it must be "
+                    f"ComfyUI's device {host.main_device}", node)
+    return tuple(devices)
+
+
+def _canonical(device: str) -> str:
+    return "cuda:0" if device == "cuda" else device
+
+
+def resolve_backend(spec: str, device_type: str, node: str = NODE) -> str:
+    spec = (spec or "auto").strip().lower()
+    if spec not in BACKENDS:
+        raise _fail("backend", spec, f"choose one of {', '.join(BACKENDS)}", node)
+    if spec == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if spec == "nccl" and device_type != "cuda":
+        raise _fail("backend", spec, "NCCL needs CUDA devices; use 'gloo' or 'auto' for CPU ranks", node)
+    if spec == "gloo" and device_type == "cuda":
+        raise _fail("backend", spec, "gloo lacks the all-to-all that context parallelism needs on CUDA "
+                    "tensors; use 'nccl' or 'auto' for CUDA ranks", node)
+    return spec
+
+
+def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto",
+                 host: HostDevices, node: str = NODE) -> ParallelConfig:
+    sizes = {"cfg": cfg_size, "ring": ring_size, "ulysses": ulysses_size, "tp": tp_size}
+    validate_sizes(sizes, node)
+    world_size = cfg_size * ring_size * ulysses_size * tp_size
+    resolved = resolve_devices(parse_devices(devices, node), world_size, host, node)
+    device_type = resolved[0].split(":")[0]
+    return ParallelConfig(cfg_size=cfg_size, ring_size=ring_size, ulysses_size=ulysses_size, tp_size=tp_size,
+                          devices=resolved, backend=resolve_backend(backend, device_type, node),
+                          devices_spec=str(devices))

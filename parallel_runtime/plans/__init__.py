@@ -1,0 +1,36 @@
+"""Registry of per-family plans. Adding a family means adding one plan module here;
+the generic runtime never branches on the model."""
+from __future__ import annotations
+
+import torch
+
+from . import wan
+from .base import ModelPlan, check_plan_matches, context_parallel
+
+PLANS: tuple[ModelPlan, ...] = (wan.PLAN,)
+_BY_FAMILY = {plan.family: plan for plan in PLANS}
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def plan_for_family(family: str) -> ModelPlan:
+    return _BY_FAMILY[family]
+
+
+def find_plan(module: torch.nn.Module) -> ModelPlan | None:
+    """The plan for exactly this class (subclasses such as VACE add inputs a plan
+    must know about, so they are not matched by inheritance)."""
+    name = qualified_name(type(module))
+    for plan in PLANS:
+        if name in plan.classes:
+            return plan
+    return None
+
+
+def supported_models_text() -> str:
+    return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})" for plan in PLANS)
+
+
+__all__ = ["PLANS", "ModelPlan", "check_plan_matches", "context_parallel", "find_plan", "plan_for_family", "supported_models_text"]

@@ -1,0 +1,119 @@
+"""Weights to the workers once, through shared memory.
+
+Rank 0 moves a module's CPU parameters and buffers into shared memory in place
+(the module ComfyUI owns keeps working on the same values) and pickles the
+module with ``ForkingPickler``: the pickle holds the module structure and small
+handles to the shared pages, a few KB for gigabytes of weights. Workers map the
+same pages, so N ranks on one host do not cost N copies of the weights.
+
+Tensors on an accelerator are first copied to a CPU shared-memory shadow; a CUDA
+worker then copies its shadow onto its own device.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import weakref
+
+import torch
+import torch.multiprocessing
+from multiprocessing.reduction import ForkingPickler
+
+SHARING_STRATEGY = "file_system"  # fds cannot be passed to processes started by subprocess
+
+
+def use_shared_memory_strategy() -> None:
+    if torch.multiprocessing.get_sharing_strategy() != SHARING_STRATEGY:
+        torch.multiprocessing.set_sharing_strategy(SHARING_STRATEGY)
+
+
+_shadows: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def _shared_cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        if not t.is_shared():
+            t.share_memory_()
+        return t
+    shadow = _shadows.get(t)
+    if shadow is None or shadow.shape != t.shape or shadow.dtype != t.dtype:
+        shadow = t.detach().to("cpu").share_memory_()
+        _shadows[t] = shadow
+    return shadow
+
+
+class _ModulePickler(ForkingPickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            shadow = _shared_cpu(obj)
+            if isinstance(obj, torch.nn.Parameter):
+                return (torch.nn.Parameter, (shadow, obj.requires_grad))
+            return (_identity, (shadow,))
+        return NotImplemented
+
+
+def _identity(x):
+    return x
+
+
+def module_tensors(module: torch.nn.Module):
+    for _, p in module.named_parameters(recurse=True):
+        yield p
+    for _, b in module.named_buffers(recurse=True):
+        yield b
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors (ComfyUI patches weights in inference mode) have no counter
+        return -1
+
+
+def weights_fingerprint(module: torch.nn.Module) -> tuple:
+    """Changes when any weight is replaced (LoRA patch or unpatch) or, where torch tracks it,
+    modified in place. On the CPU an in-place change needs no resend: workers map the same pages."""
+    return tuple((t.data_ptr(), _version(t), tuple(t.shape), t.dtype) for t in module_tensors(module))
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    return param_bytes_all([module])
+
+
+def param_bytes_all(modules) -> int:
+    """Bytes of weights held, counting a tensor shared by several modules once."""
+    seen = set()
+    total = 0
+    for module in modules:
+        for t in module_tensors(module):
+            key = (t.data_ptr(), t.numel())
+            if key in seen:
+                continue
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def pack_module(module: torch.nn.Module) -> bytes:
+    """Share the module's CPU tensors in place and pickle it as shared-memory handles."""
+    use_shared_memory_strategy()
+    for t in module_tensors(module):
+        if t.device.type == "cpu":
+            _shared_cpu(t)
+    buf = io.BytesIO()
+    try:
+        _ModulePickler(buf, pickle.HIGHEST_PROTOCOL).dump(module)
+    except Exception as exc:
+        raise RuntimeError(f"cannot send {type(module).__name__} to the other ranks: {exc}. Some node attached "
+                           "an object to the model that cannot be shared between processes") from exc
+    return buf.getvalue()
+
+
+def unpack_module(data: bytes, device: torch.device) -> torch.nn.Module:
+    use_shared_memory_strategy()
+    module = pickle.loads(data)
+    if device.type != "cpu":
+        module.to(device)
+    module.eval()
+    module.requires_grad_(False)
+    return module

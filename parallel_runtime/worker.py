@@ -1,0 +1,152 @@
+"""A worker rank (1..N-1), started by rank 0 with ``python worker.py``.
+
+It reads its bootstrap from stdin, puts the ComfyUI root on ``sys.path`` and sets
+``comfy.cli_args.args`` before anything imports ``comfy``, connects its control
+channel, joins the process group and then serves rank 0's commands in order.
+Any error is reported with its traceback and ends the process, so that no other
+rank stays blocked in a collective. It also exits when rank 0 goes away.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when rank 0 (our parent) is gone, even if it was killed with SIGKILL."""
+    def loop():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(0.5)
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def _prepare_comfy(boot: dict) -> None:
+    sys.path.insert(0, boot["comfyui_path"])
+    sys.path.append(boot["pack_root"])  # after ComfyUI: the pack's folder names must not shadow ComfyUI's
+    import comfy.options  # noqa: F401  (arg parsing stays off: we are not ComfyUI's main)
+    import comfy.cli_args
+
+    for key, value in boot.get("comfy_args", {}).items():
+        setattr(comfy.cli_args.args, key, value)
+
+
+def main() -> int:
+    boot = json.loads(sys.stdin.readline())
+    rank = boot["rank"]
+    _watch_parent(boot["parent_pid"])
+    _prepare_comfy(boot)
+
+    from multiprocessing.connection import Client
+
+    conn = Client(boot["control_address"], family="AF_UNIX", authkey=bytes.fromhex(boot["authkey"]))
+    try:
+        conn.send(("hello", rank, os.getpid()))
+        server = _Server(boot, conn)
+        server.serve()
+    except (EOFError, ConnectionError):
+        return 0  # rank 0 went away
+    except BaseException:
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except Exception:
+            pass
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(3)  # no clean-up that could block in a collective
+    return 0
+
+
+class _Server:
+    def __init__(self, boot: dict, conn):
+        import datetime
+        import pickle
+
+        import torch
+        import torch.distributed as dist
+
+        from parallel_runtime import transport
+        from parallel_runtime.mesh import MeshLayout, ProcessMesh
+
+        self.boot = boot
+        self.conn = conn
+        self.rank = boot["rank"]
+        self.device = torch.device(boot["devices"][self.rank])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if boot.get("threads"):
+            torch.set_num_threads(int(boot["threads"]))
+        transport.use_shared_memory_strategy()
+        kind, table = conn.recv()
+        assert kind == "status_table", kind
+        self.status_table = pickle.loads(table)
+        timeout = datetime.timedelta(seconds=boot["timeout_s"])
+        store = dist.TCPStore(boot["store_host"], boot["store_port"], boot["world_size"], False, timeout=timeout)
+        dist.init_process_group(boot["backend"], store=store, rank=self.rank, world_size=boot["world_size"],
+                                timeout=timeout)
+        self.mesh = ProcessMesh(MeshLayout.from_sizes(boot["mesh"]), self.rank)
+        self.models: dict[str, tuple] = {}
+        conn.send(("ready", self.rank))
+
+    def serve(self) -> None:
+        while True:
+            msg = self.conn.recv()
+            kind = msg[0]
+            if kind == "shutdown":
+                return
+            getattr(self, "on_" + kind)(*msg[1:])
+
+    def on_load(self, key: str, family: str, data: bytes) -> None:
+        from parallel_runtime import transport
+        from parallel_runtime.plans import plan_for_family
+
+        self.models.pop(key, None)  # release the old weights first
+        module = transport.unpack_module(data, self.device)
+        self.models[key] = (module, plan_for_family(family))
+        self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
+        self.conn.send(("loaded", key))
+
+    def on_drop(self, key: str) -> None:
+        from parallel_runtime import transport
+
+        self.models.pop(key, None)
+        self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
+
+    def on_forward(self, key: str, method_name: str, spec, meta) -> None:
+        import inspect
+
+        import torch
+
+        from parallel_runtime import protocol
+        from parallel_runtime.plans import context_parallel
+
+        started = time.perf_counter()
+        module, plan = self.models[key]
+        tensors = protocol.broadcast_tensors(None, meta, self.device)
+        args, kwargs = protocol.unflatten(spec, tensors)
+        method = getattr(module, method_name)
+        options = inspect.signature(method).bind(*args, **kwargs).arguments.get("transformer_options", {})
+        with torch.inference_mode(), context_parallel(module, plan, options, group=self.mesh.group("ulysses"),
+                                                      parts=self.mesh.size("ulysses"),
+                                                      index=self.mesh.local_rank("ulysses")):
+            method(*args, **kwargs)
+        row = self.status_table[self.rank]
+        row[0] = (time.perf_counter() - started) * 1e3
+        row[2] += 1
+        row[3] = time.time()
+
+    def on_ping(self) -> None:
+        self.conn.send(("pong", self.rank))
+
+    def _publish(self, param_bytes: int) -> None:
+        self.status_table[self.rank][1] = float(param_bytes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

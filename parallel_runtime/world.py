@@ -1,0 +1,438 @@
+"""Rank 0's view of a running world: worker processes, the process group, dispatch.
+
+The ComfyUI process is rank 0. Workers are separate processes started with
+``subprocess`` on ``worker.py`` (run by path: ComfyUI imports custom nodes under
+mangled names that a child could not import). Each worker has:
+
+- a control connection (AF_UNIX socket with a random key, loopback only) for
+  commands, weights (shared-memory handles) and error reports;
+- a place in one ``torch.distributed`` process group for the tensors.
+
+Lockstep: rank 0 decides everything and tells the workers what to run; any
+failure tears the whole world down so that no rank is left blocked in a
+collective, and the next run starts fresh workers.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import inspect
+import itertools
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import protocol, transport
+from .config import ParallelConfig
+from .mesh import MeshLayout, ProcessMesh
+from .plans import ModelPlan, check_plan_matches, context_parallel
+
+log = logging.getLogger("parallel")
+
+PACK_ROOT = Path(__file__).resolve().parent.parent
+WORKER_SCRIPT = Path(__file__).resolve().parent / "worker.py"
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+STARTUP_TIMEOUT_S = _env_seconds("PARALLEL_STARTUP_TIMEOUT_S", 180)
+COLLECTIVE_TIMEOUT_S = _env_seconds("PARALLEL_COLLECTIVE_TIMEOUT_S", 300)
+STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat")
+
+
+class WorkerFailure(RuntimeError):
+    """A rank failed; the message names the rank and carries its traceback."""
+
+
+class WorldStartError(RuntimeError):
+    pass
+
+
+class _Worker:
+    def __init__(self, rank: int, device: str, proc: subprocess.Popen):
+        self.rank = rank
+        self.device = device
+        self.proc = proc
+        self.conn = None
+        self.output = collections.deque(maxlen=200)  # last lines, for crash reports
+        self.reported_error: str | None = None
+        self._relay = threading.Thread(target=self._relay_output, name=f"parallel-rank{rank}-log", daemon=True)
+        self._relay.start()
+
+    def _relay_output(self):
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            self.output.append(line)
+            log.info("[rank %d] %s", self.rank, line)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def drain(self) -> list:
+        """Messages the worker sent on its own (error reports)."""
+        msgs = []
+        try:
+            while self.conn is not None and self.conn.poll(0):
+                msgs.append(self.conn.recv())
+        except (EOFError, OSError):
+            pass
+        for msg in msgs:
+            if msg and msg[0] == "error" and self.reported_error is None:
+                self.reported_error = msg[2]
+        return msgs
+
+
+class World:
+    """One running set of ranks for one ParallelConfig."""
+
+    def __init__(self, config: ParallelConfig, comfyui_path: str | None = None, comfy_args: dict | None = None):
+        self.config = config
+        self.layout = MeshLayout.from_sizes(config.mesh_sizes)
+        self.world_size = config.world_size
+        self.comfyui_path = comfyui_path or _guess_comfyui_path()
+        self.comfy_args = comfy_args if comfy_args is not None else {"cpu": config.device_type == "cpu"}
+        self.device = torch.device(config.devices[0])
+        self.threads = max(1, (os.cpu_count() or 1) // self.world_size) if config.device_type == "cpu" else None
+        self.workers: list[_Worker] = []
+        self.mesh: ProcessMesh | None = None
+        self.state = "starting"
+        self.failure: str | None = None
+        self.started_at = time.time()
+        self.last_forward_ms: float | None = None
+        self.forwards = 0
+        self._listener = None
+        self._socket_dir = None
+        self._store = None
+        self._status_table = None
+        self._models: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        self._model_keys = itertools.count(1)
+        self._lock = threading.RLock()
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> "World":
+        if dist.is_initialized():
+            raise WorldStartError("a torch.distributed process group already exists in this process "
+                                  "(another extension started one); the parallel runtime needs its own")
+        transport.use_shared_memory_strategy()
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown("start failed")
+            raise
+        self.state = "ready"
+        log.info("parallel world ready: %s, %d ranks in %.1fs", self.config.describe(), self.world_size,
+                 time.time() - self.started_at)
+        return self
+
+    def _start(self):
+        authkey = secrets.token_bytes(32)
+        self._socket_dir = tempfile.mkdtemp(prefix="comfy-parallel-")
+        address = os.path.join(self._socket_dir, "control.sock")
+        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, timeout=timeout,
+                                    wait_for_workers=False)
+        self._status_table = torch.zeros(self.world_size, len(STATUS_FIELDS), dtype=torch.float64).share_memory_()
+        for rank in range(1, self.world_size):
+            boot = {
+                "rank": rank, "world_size": self.world_size, "mesh": self.config.mesh_sizes,
+                "devices": list(self.config.devices), "backend": self.config.backend,
+                "store_host": "127.0.0.1", "store_port": self._store.port, "control_address": address,
+                "authkey": authkey.hex(), "comfyui_path": self.comfyui_path, "pack_root": str(PACK_ROOT),
+                "parent_pid": os.getpid(), "threads": self.threads, "timeout_s": COLLECTIVE_TIMEOUT_S,
+                "comfy_args": self.comfy_args,
+            }
+            proc = subprocess.Popen([sys.executable, "-u", str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.comfyui_path,
+                                    start_new_session=False)
+            # The key goes through a pipe, not argv or the environment, which other users could read.
+            proc.stdin.write(json.dumps(boot).encode() + b"\n")
+            proc.stdin.close()
+            self.workers.append(_Worker(rank, self.config.devices[rank], proc))
+        self._accept_all(time.monotonic() + STARTUP_TIMEOUT_S)
+        for w in self.workers:
+            w.conn.send(("status_table", _pickled_shared(self._status_table)))
+        dist.init_process_group(self.config.backend, store=self._store, rank=0, world_size=self.world_size,
+                                timeout=timeout)
+        self.mesh = ProcessMesh(self.layout, 0)
+        for w in self.workers:
+            self._expect(w, "ready", time.monotonic() + STARTUP_TIMEOUT_S)
+
+    def _accept_all(self, deadline: float):
+        pending = {w.rank: w for w in self.workers}
+        accepted = []
+
+        def accept_loop():
+            try:
+                for _ in range(len(pending)):
+                    accepted.append(self._listener.accept())
+            except OSError:
+                pass
+
+        t = threading.Thread(target=accept_loop, name="parallel-accept", daemon=True)
+        t.start()
+        while pending:
+            while accepted:
+                conn = accepted.pop()
+                msg = conn.recv()
+                if msg[0] != "hello" or msg[1] not in pending:
+                    raise WorldStartError(f"unexpected first message from a worker: {msg!r}")
+                pending.pop(msg[1]).conn = conn
+            for w in pending.values():
+                if not w.alive:
+                    time.sleep(0.2)  # let the relay thread collect the last lines
+                    raise WorldStartError(f"rank {w.rank} exited with code {w.proc.returncode} while starting:\n"
+                                          + "\n".join(w.output))
+            if time.monotonic() > deadline:
+                raise WorldStartError(f"ranks {sorted(pending)} did not connect within {STARTUP_TIMEOUT_S:.0f}s")
+            time.sleep(0.02)
+
+    def _expect(self, w: _Worker, kind: str, deadline: float):
+        while True:
+            if w.conn.poll(0.05):
+                msg = w.conn.recv()
+                if msg[0] == kind:
+                    return msg
+                if msg[0] == "error":
+                    w.reported_error = msg[2]
+                    raise WorkerFailure(f"rank {w.rank} failed:\n{msg[2]}")
+                raise WorldStartError(f"rank {w.rank} answered {msg[0]!r} where {kind!r} was expected")
+            if not w.alive:
+                raise WorkerFailure(self._death_report(w))
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"rank {w.rank} did not answer within {STARTUP_TIMEOUT_S:.0f}s")
+
+    def shutdown(self, reason: str = "shutdown"):
+        with self._lock:
+            if self.state == "stopped":
+                return
+            self.state = "stopped"
+            for w in self.workers:
+                try:
+                    if w.conn is not None and w.alive:
+                        w.conn.send(("shutdown",))
+                except (OSError, EOFError):
+                    pass
+            deadline = time.monotonic() + 3
+            for w in self.workers:
+                try:
+                    w.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait(5)
+                if w.conn is not None:
+                    w.conn.close()
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # a broken group still has to go
+                    log.debug("destroy_process_group failed", exc_info=True)
+            if self._listener is not None:
+                self._listener.close()
+            if self._socket_dir:
+                for name in os.listdir(self._socket_dir):
+                    os.unlink(os.path.join(self._socket_dir, name))
+                os.rmdir(self._socket_dir)
+                self._socket_dir = None
+            self._store = None
+            log.info("parallel world stopped (%s)", reason)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "ready" and all(w.alive for w in self.workers)
+
+    # ---------------------------------------------------------------- models
+    def _ensure_module(self, module: torch.nn.Module, plan: ModelPlan, epoch) -> str:
+        """Send the module's weights unless the workers already hold these exact weights.
+
+        Weights can only change between sampling runs (LoRA patch or unpatch), so
+        the fingerprint is checked once per run ``epoch``.
+        """
+        entry = self._models.get(module)
+        if entry is not None and epoch is not None and entry["epoch"] == epoch:
+            return entry["key"]
+        fingerprint = transport.weights_fingerprint(module)
+        if entry is not None and entry["fingerprint"] == fingerprint:
+            entry["epoch"] = epoch
+            return entry["key"]
+        check_plan_matches(module, plan)
+        key = entry["key"] if entry else f"m{next(self._model_keys)}"
+        started = time.perf_counter()
+        data = transport.pack_module(module)
+        fingerprint = transport.weights_fingerprint(module)  # sharing moved the storages
+        for w in self.workers:
+            w.conn.send(("load", key, plan.family, data))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for w in self.workers:
+            self._expect(w, "loaded", deadline)
+        nbytes = transport.param_bytes(module)
+        self._models[module] = {"key": key, "fingerprint": fingerprint, "param_bytes": nbytes, "epoch": epoch}
+        weakref.finalize(module, self._drop_remote, key)
+        log.info("sent %s (%.1f MB) to %d workers in %.2fs", type(module).__name__, nbytes / 1e6,
+                 len(self.workers), time.perf_counter() - started)
+        return key
+
+    def _drop_remote(self, key: str):
+        if self.state != "ready":
+            return
+        for w in self.workers:
+            try:
+                w.conn.send(("drop", key))
+            except (OSError, EOFError):
+                pass
+
+    @property
+    def param_bytes_rank0(self) -> int:
+        return sum(e["param_bytes"] for e in list(self._models.values()))
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, epoch=None):
+        """Run ``method(*args, **kwargs)`` of ``module`` on every rank, context-parallel.
+
+        ``method`` is rank 0's bound callable (it may be a wrapper chain ending in a
+        method of ``module``); workers call the method of the same name on their copy.
+        """
+        if self.state != "ready":
+            raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
+        method_name = _method_name(method)
+        bound = inspect.signature(getattr(module, method_name)).bind(*args, **kwargs)
+        options = bound.arguments.get("transformer_options")
+        if options is None:
+            options = {}
+            bound.arguments["transformer_options"] = options
+        worker_bound = inspect.signature(getattr(module, method_name)).bind(*bound.args, **bound.kwargs)
+        worker_bound.arguments["transformer_options"] = protocol.worker_transformer_options(options)
+        tensors: list = []
+        spec = protocol.flatten((worker_bound.args, worker_bound.kwargs), tensors)
+        meta = protocol.tensor_meta(tensors)
+        # Nothing has reached a worker yet: errors above leave the world usable.
+        try:
+            key = self._ensure_module(module, plan, epoch)
+            started = time.perf_counter()
+            for w in self.workers:
+                w.conn.send(("forward", key, method_name, spec, meta))
+            protocol.broadcast_tensors(tensors, meta, self.device)
+            with self._threads(), context_parallel(module, plan, options, group=self.mesh.group("ulysses"),
+                                                   parts=self.mesh.size("ulysses"),
+                                                   index=self.mesh.local_rank("ulysses")):
+                out = method(*bound.args, **bound.kwargs)
+            self.last_forward_ms = (time.perf_counter() - started) * 1e3
+            self.forwards += 1
+            return out
+        except BaseException as exc:
+            failure = self._explain_failure(exc)
+            self.failure = failure or f"rank 0: {type(exc).__name__}: {exc}"
+            self.state = "failed"
+            self.shutdown("a rank failed" if failure else f"rank 0 raised {type(exc).__name__}")
+            if failure:
+                raise WorkerFailure(failure) from exc
+            raise
+
+    def _threads(self):
+        world = self
+
+        class _Threads:
+            def __enter__(self):
+                self.saved = torch.get_num_threads()
+                if world.threads is not None and world.threads != self.saved:
+                    torch.set_num_threads(world.threads)
+
+            def __exit__(self, *exc):
+                if torch.get_num_threads() != self.saved:
+                    torch.set_num_threads(self.saved)
+        return _Threads()
+
+    def _explain_failure(self, exc: BaseException) -> str | None:
+        """Which worker failed and why, if one did (waits briefly for its report)."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            for w in self.workers:
+                w.drain()
+                if w.reported_error:
+                    return f"rank {w.rank} ({w.device}) raised an error:\n{w.reported_error}"
+            dead = [w for w in self.workers if not w.alive]
+            if dead and time.monotonic() > deadline - 1.5:
+                return "\n".join(self._death_report(w) for w in dead)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def _death_report(self, w: _Worker) -> str:
+        code = w.proc.poll()
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        tail = "\n".join(list(w.output)[-20:])
+        return (f"rank {w.rank} ({w.device}, pid {w.proc.pid}) {how} during the run; the other ranks were stopped "
+                f"and the next run starts fresh workers." + (f"\nIts last output:\n{tail}" if tail else ""))
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> dict:
+        from .memory import process_memory
+
+        ranks = []
+        table = self._status_table
+        pids = [os.getpid()] + [w.proc.pid for w in self.workers]
+        for rank, pid in enumerate(pids):
+            if rank == 0:
+                alive, device = True, self.config.devices[0]
+                last_ms, nbytes, forwards = self.last_forward_ms, self.param_bytes_rank0, self.forwards
+            else:
+                w = self.workers[rank - 1]
+                alive, device = w.alive, w.device
+                row = table[rank].tolist() if table is not None else [0.0] * len(STATUS_FIELDS)
+                last_ms = row[0] if row[2] > 0 else None
+                nbytes, forwards = int(row[1]), int(row[2])
+            mem = process_memory(pid) if alive else {"rss_bytes": None, "pss_bytes": None}
+            ranks.append({"rank": rank, "device": device, "pid": pid, "alive": alive, "param_bytes": nbytes,
+                          **mem, "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
+                          "coords": self.layout.coords(rank)})
+        return {"world_size": self.world_size, "mesh": self.config.mesh_sizes, "backend": self.config.backend,
+                "state": self.state, "failure": self.failure, "forwards": self.forwards, "ranks": ranks}
+
+
+def _pickled_shared(t: torch.Tensor) -> bytes:
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(t)
+    return buf.getvalue()
+
+
+def _method_name(method) -> str:
+    """The name of the model method at the end of a wrapper chain (``_forward`` for ComfyUI models)."""
+    target = getattr(method, "original", method)  # comfy.patcher_extension.WrapperExecutor
+    func = getattr(target, "__func__", target)
+    return func.__name__
+
+
+def _guess_comfyui_path() -> str:
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        return env
+    import comfy.model_management  # ComfyUI's own package sits in the ComfyUI root (a namespace package)
+
+    return str(Path(comfy.model_management.__file__).resolve().parent.parent)
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Write the UI-format files in example_workflows/ from the compact graphs below.
+
+Sockets, types and widget order come from a live ComfyUI's /object_info, so the
+files match what the front end itself would save. Run it (through
+``tools/run.sh python tools/build_example_workflows.py``) after changing a graph.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from comfy_server import ComfyServer  # noqa: E402
+from workflows import _input_order, _is_widget  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "example_workflows"
+
+
+class Graph:
+    def __init__(self, object_info: dict):
+        self.info = object_info
+        self.nodes: list[dict] = []
+        self.links: list[list] = []
+
+    def add(self, node_id: int, kind: str, widgets: dict | None = None, *, col: int, row: int, title=None,
+            size=(320, 130)) -> int:
+        widgets = widgets or {}
+        node = {"id": node_id, "type": kind, "pos": [40 + col * 360, 40 + row * 200], "size": list(size),
+                "flags": {}, "order": len(self.nodes), "mode": 0, "properties": {"Node name for S&R": kind}}
+        if title:
+            node["title"] = title
+        if kind in ("Note", "MarkdownNote"):
+            node.update(inputs=[], outputs=[], widgets_values=[widgets["text"]])
+            node["color"], node["bgcolor"] = "#432", "#653"
+            self.nodes.append(node)
+            return node_id
+        info = self.info[kind]
+        inputs, values = [], []
+        for name, spec in _input_order(info):
+            if _is_widget(spec):
+                default = spec[1].get("default") if len(spec) > 1 and isinstance(spec[1], dict) else None
+                if default is None and isinstance(spec[0], list) and spec[0]:
+                    default = spec[0][0]
+                values.append(widgets.pop(name, default))
+                if len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("control_after_generate"):
+                    values.append("fixed")
+            else:
+                inputs.append({"name": name, "type": spec[0], "link": None})
+        if widgets:
+            raise KeyError(f"{kind} has no widget inputs {sorted(widgets)}")
+        outputs = [{"name": name, "type": kind_, "links": [], "slot_index": i}
+                   for i, (name, kind_) in enumerate(zip(info.get("output_name", info["output"]), info["output"]))]
+        node.update(inputs=inputs, outputs=outputs, widgets_values=values)
+        self.nodes.append(node)
+        return node_id
+
+    def connect(self, src: int, src_slot: int, dst: int, input_name: str) -> None:
+        link_id = len(self.links) + 1
+        s = next(n for n in self.nodes if n["id"] == src)
+        d = next(n for n in self.nodes if n["id"] == dst)
+        kind = s["outputs"][src_slot]["type"]
+        socket = next(i for i in d["inputs"] if i["name"] == input_name)
+        socket["link"] = link_id
+        s["outputs"][src_slot]["links"].append(link_id)
+        self.links.append([link_id, src, src_slot, dst, d["inputs"].index(socket), kind])
+
+    def to_json(self) -> dict:
+        return {"last_node_id": max(n["id"] for n in self.nodes), "last_link_id": len(self.links),
+                "nodes": self.nodes, "links": self.links, "groups": [], "config": {},
+                "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+
+
+TINY_NOTE = """Tiny Wan 2.1 demo for Hybrid Parallel (runs on the CPU in seconds).
+
+The model files are generated with random weights by tools/demo.py, so the picture is noise: what matters
+is that the sharded run (Parallel Config ulysses_size 2: two ranks) gives the same latents as one rank.
+The text embedding comes from a file through Load Training Dataset because the real Wan text encoder
+(UMT5-XXL) is far too large to generate. One LoRA sits before Shard Transformer and one after it:
+both reach every rank."""
+
+WAN_NOTE = """Wan 2.1 text-to-video on 2 GPUs with Hybrid Parallel.
+
+Parallel Config: ulysses_size 2 splits the video tokens over two GPUs (context parallelism); each GPU
+holds the whole transformer and computes half of every step, and the result equals the single-GPU run.
+Wan 2.1 1.3B has 12 attention heads, so ulysses_size may be 1, 2, 3, 4, 6 or 12 (14B: 40 heads).
+devices 'auto' takes ComfyUI's GPU first and then the next ones.
+
+Models (official ComfyUI repackage, Comfy-Org/Wan_2.1_ComfyUI_repackaged):
+  diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors
+  text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors
+  vae/wan_2.1_vae.safetensors
+LoRA loaders may go before or after Shard Transformer."""
+
+
+def tiny_wan(info: dict) -> dict:
+    g = Graph(info)
+    g.add(1, "UNETLoader", {"unet_name": "tiny_wan21_t2v.safetensors", "weight_dtype": "default"}, col=0, row=0)
+    g.add(2, "LoraLoaderModelOnly", {"lora_name": "tiny_wan21_lora_a.safetensors", "strength_model": 0.8},
+          col=1, row=0, title="LoRA before the shard node")
+    g.add(3, "ParallelConfig", {"ulysses_size": 2}, col=1, row=1, size=(320, 210))
+    g.add(4, "ShardTransformer", col=2, row=0)
+    g.add(5, "LoraLoaderModelOnly", {"lora_name": "tiny_wan21_lora_b.safetensors", "strength_model": 0.6},
+          col=3, row=0, title="LoRA after the shard node")
+    g.add(6, "LoadTrainingDataset", {"folder_name": "tiny_wan_prompt"}, col=0, row=2, title="Prompt embedding")
+    g.add(7, "ConditioningZeroOut", col=1, row=3, title="Negative (zeros)")
+    g.add(8, "EmptyHunyuanLatentVideo", {"width": 80, "height": 48, "length": 9, "batch_size": 1}, col=2, row=2)
+    g.add(9, "KSampler", {"seed": 42, "steps": 3, "cfg": 3.0, "sampler_name": "euler", "scheduler": "simple",
+                          "denoise": 1.0}, col=4, row=0, size=(320, 262))
+    g.add(10, "SaveLatent", {"filename_prefix": "latents/tiny_wan"}, col=5, row=0)
+    g.add(11, "VAELoader", {"vae_name": "tiny_wan21_vae.safetensors"}, col=4, row=2)
+    g.add(12, "VAEDecode", col=5, row=1)
+    g.add(13, "SaveImage", {"filename_prefix": "tiny_wan"}, col=6, row=1, size=(320, 300))
+    g.add(14, "Note", {"text": TINY_NOTE}, col=0, row=4, size=(700, 180))
+    g.connect(1, 0, 2, "model")
+    g.connect(2, 0, 4, "model")
+    g.connect(3, 0, 4, "parallel_config")
+    g.connect(4, 0, 5, "model")
+    g.connect(5, 0, 9, "model")
+    g.connect(6, 1, 9, "positive")
+    g.connect(6, 1, 7, "conditioning")
+    g.connect(7, 0, 9, "negative")
+    g.connect(8, 0, 9, "latent_image")
+    g.connect(9, 0, 10, "samples")
+    g.connect(9, 0, 12, "samples")
+    g.connect(11, 0, 12, "vae")
+    g.connect(12, 0, 13, "images")
+    return g.to_json()
+
+
+def wan21_t2v(info: dict) -> dict:
+    g = Graph(info)
+    g.add(1, "UNETLoader", {"unet_name": "wan2.1_t2v_1.3B_fp16.safetensors", "weight_dtype": "default"},
+          col=0, row=0)
+    g.add(2, "ModelSamplingSD3", {"shift": 8.0}, col=1, row=0)
+    g.add(3, "ParallelConfig", {"ulysses_size": 2}, col=1, row=1, size=(320, 210))
+    g.add(4, "ShardTransformer", col=2, row=0)
+    g.add(5, "CLIPLoader", {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"}, col=0, row=2)
+    g.add(6, "CLIPTextEncode", {"text": "a red fox running through fresh snow at sunrise, cinematic"},
+          col=1, row=2, title="Positive", size=(400, 160))
+    g.add(7, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, col=1, row=3,
+          title="Negative", size=(400, 160))
+    g.add(8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": 33, "batch_size": 1}, col=2, row=2)
+    g.add(9, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple",
+                          "denoise": 1.0}, col=3, row=0, size=(320, 262))
+    g.add(10, "VAELoader", {"vae_name": "wan_2.1_vae.safetensors"}, col=3, row=2)
+    g.add(11, "VAEDecode", col=4, row=0)
+    g.add(12, "SaveAnimatedWEBP", {"filename_prefix": "wan21_t2v_ulysses2", "fps": 16.0}, col=5, row=0,
+          size=(360, 360))
+    g.add(13, "Note", {"text": WAN_NOTE}, col=0, row=4, size=(700, 240))
+    g.connect(1, 0, 2, "model")
+    g.connect(2, 0, 4, "model")
+    g.connect(3, 0, 4, "parallel_config")
+    g.connect(4, 0, 9, "model")
+    g.connect(5, 0, 6, "clip")
+    g.connect(5, 0, 7, "clip")
+    g.connect(6, 0, 9, "positive")
+    g.connect(7, 0, 9, "negative")
+    g.connect(8, 0, 9, "latent_image")
+    g.connect(9, 0, 11, "samples")
+    g.connect(10, 0, 11, "vae")
+    g.connect(11, 0, 12, "images")
+    return g.to_json()
+
+
+WORKFLOWS = {
+    "tiny_wan_ulysses2_demo.json": tiny_wan,
+    "wan21_t2v_ulysses2.json": wan21_t2v,
+}
+
+
+def main() -> None:
+    host = json.loads((REPO / ".host" / "host.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp, ComfyServer(host["comfyui_path"], tmp) as server:
+        info = server.object_info()
+    OUT.mkdir(exist_ok=True)
+    for name, build in WORKFLOWS.items():
+        (OUT / name).write_text(json.dumps(build(info), indent=1) + "\n")
+        print("wrote", OUT / name)
+
+
+if __name__ == "__main__":
+    main()

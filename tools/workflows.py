@@ -1,0 +1,121 @@
+"""Workflow files: from the UI format (what ComfyUI saves and its template browser
+lists) to the API format that ``POST /prompt`` takes, using the server's
+``/object_info`` to map widget values to input names.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+UI_ONLY_NODES = {"Note", "MarkdownNote"}
+MODE_MUTED, MODE_BYPASSED = 2, 4
+
+
+class WorkflowError(ValueError):
+    pass
+
+
+def load(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def is_api_format(workflow: dict) -> bool:
+    return "nodes" not in workflow and all(isinstance(v, dict) and "class_type" in v for v in workflow.values())
+
+
+def _is_widget(spec) -> bool:
+    kind = spec[0]
+    return isinstance(kind, list) or kind in WIDGET_TYPES
+
+
+def _input_order(info: dict) -> list[tuple[str, list]]:
+    order = info.get("input_order") or {k: list(v.keys()) for k, v in info.get("input", {}).items()}
+    found = []
+    for section in ("required", "optional"):
+        specs = info.get("input", {}).get(section, {})
+        for name in order.get(section, []):
+            if name in specs:
+                found.append((name, specs[name]))
+    return found
+
+
+def ui_to_api(workflow: dict, object_info: dict) -> dict:
+    """Convert a UI-format workflow to an API-format prompt."""
+    if is_api_format(workflow):
+        return copy.deepcopy(workflow)
+    links = {link[0]: link for link in workflow.get("links", [])}
+    nodes = {node["id"]: node for node in workflow["nodes"]}
+    prompt: dict[str, dict] = {}
+    for node in workflow["nodes"]:
+        kind = node["type"]
+        if kind in UI_ONLY_NODES or node.get("mode", 0) in (MODE_MUTED, MODE_BYPASSED):
+            continue
+        info = object_info.get(kind)
+        if info is None:
+            raise WorkflowError(f"node #{node['id']} is a {kind}, which this ComfyUI does not know "
+                                "(a custom node pack missing?)")
+        values = node.get("widgets_values") or []
+        inputs: dict = {}
+        if isinstance(values, dict):
+            inputs.update(values)
+        else:
+            i = 0
+            for name, spec in _input_order(info):
+                if not _is_widget(spec):
+                    continue
+                if i < len(values):
+                    inputs[name] = values[i]
+                i += 1
+                if len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("control_after_generate"):
+                    i += 1  # the "fixed / randomize" companion widget
+        for socket in node.get("inputs", []):
+            link_id = socket.get("link")
+            if link_id is None:
+                continue
+            source = _resolve_source(links[link_id], nodes, links)
+            if source is not None:
+                inputs[socket["name"]] = source
+        prompt[str(node["id"])] = {"class_type": kind, "inputs": inputs,
+                                   "_meta": {"title": node.get("title") or kind}}
+    return prompt
+
+
+def _resolve_source(link, nodes, links):
+    """The [node_id, slot] feeding a link, looking through bypassed nodes."""
+    _, src_id, src_slot, _, _, link_type = link[:6]
+    src = nodes[src_id]
+    while src.get("mode", 0) == MODE_BYPASSED:
+        # A bypassed node passes through its first input of the same type.
+        candidates = [s for s in src.get("inputs", []) if s.get("link") is not None and s.get("type") == link_type]
+        if not candidates:
+            return None
+        upstream = links[candidates[0]["link"]]
+        src_id, src_slot = upstream[1], upstream[2]
+        src = nodes[src_id]
+    if src.get("mode", 0) == MODE_MUTED:
+        return None
+    return [str(src_id), src_slot]
+
+
+def find_nodes(prompt: dict, class_type: str) -> list[str]:
+    return [node_id for node_id, node in prompt.items() if node["class_type"] == class_type]
+
+
+def remove_passthrough(prompt: dict, class_type: str, through_input: str) -> dict:
+    """Drop every node of ``class_type``, connecting its consumers to what fed ``through_input``
+    (for example running a workflow without Shard Transformer)."""
+    out = copy.deepcopy(prompt)
+    for node_id in find_nodes(out, class_type):
+        source = out[node_id]["inputs"][through_input]
+        del out[node_id]
+        for node in out.values():
+            for name, value in node["inputs"].items():
+                if isinstance(value, list) and len(value) == 2 and value[0] == node_id:
+                    node["inputs"][name] = list(source)
+    # Drop nodes nothing consumes any more that are not outputs themselves (e.g. an orphaned Parallel Config).
+    consumed = {v[0] for n in out.values() for v in n["inputs"].values() if isinstance(v, list) and len(v) == 2}
+    for node_id in [k for k, n in out.items() if n["class_type"] == "ParallelConfig" and k not in consumed]:
+        del out[node_id]
+    return out
