@@ -13,6 +13,7 @@ ComfyUI's cast of wrappers leaves them alone.
 """
 from __future__ import annotations
 
+from . import interrupts
 from .config import ParallelConfig
 from .plans import plan_for_family
 from .runtime import RUNTIME
@@ -51,4 +52,6 @@ class ShardedForward:
                                "forward on rank 0 only; this version cannot run them on every rank")
         module = executor.class_obj
         world = RUNTIME.world_for(self.config)
-        return world.forward(module, plan_for_family(self.family), executor, args, kwargs, epoch=RUNTIME.run_epoch)
+        with interrupts.deferred():  # Cancel lands right after this forward, on every rank alike
+            return world.forward(module, plan_for_family(self.family), executor, args, kwargs,
+                                 epoch=RUNTIME.run_epoch)

@@ -119,6 +119,7 @@ class HostDevices:
 
 def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE) -> tuple[str, ...]:
     main_is_cuda = host.main_device.startswith("cuda")
+    typed = parsed if isinstance(parsed, str) else ",".join(parsed)
     if parsed == "auto":
         parsed = "cuda" if main_is_cuda else "cpu"
         if parsed == "cuda":
@@ -131,10 +132,10 @@ def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE
             return tuple(f"cuda:{i}" for i in order[:world_size])
     if parsed == "cpu":
         if main_is_cuda:
-            raise _fail("devices", "cpu", f"ComfyUI computes on {host.main_device}; start ComfyUI with --cpu "
+            raise _fail("devices", typed, f"ComfyUI computes on {host.main_device}; start ComfyUI with --cpu "
                         "to run CPU ranks, or use 'auto'", node)
         if world_size > host.cpu_count:
-            raise _fail("devices", "cpu", f"the world size {world_size} needs {world_size} CPU ranks but this "
+            raise _fail("devices", typed, f"the world size {world_size} needs {world_size} CPU ranks but this "
                         f"machine has {host.cpu_count} cores; reduce the sizes to a product of at most "
                         f"{host.cpu_count}, or list the CPU ranks explicitly (for example "
                         f"'{','.join(['cpu'] * world_size)}') to oversubscribe on purpose", node)

@@ -68,7 +68,7 @@ class Runtime:
             out = {"world_size": 1, "mesh": {"cfg": 1, "ring": 1, "ulysses": 1, "tp": 1}, "backend": None,
                    "state": "idle", "failure": None, "forwards": 0,
                    "ranks": [{"rank": 0, "device": None, "pid": os.getpid(), "alive": True, "param_bytes": 0,
-                              **process_memory(os.getpid()), "last_forward_ms": None}]}
+                              **process_memory(os.getpid()), "last_forward_ms": None, "forwards": 0}]}
         out["last_failure"] = self.last_failure
         return out
 

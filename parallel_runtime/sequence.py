@@ -58,11 +58,15 @@ def take_chunk(t: torch.Tensor, dim: int, shard: SeqShard) -> torch.Tensor:
     return pad_along(local, dim, shard.chunk).contiguous()
 
 
+# torch 2.14 renamed all_gather_into_tensor; keep both working.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_chunks(local: torch.Tensor, dim: int, shard: SeqShard, group) -> torch.Tensor:
     """All-gather padded chunks along ``dim`` and drop the padding: the full-length tensor."""
     if group is None or shard.parts == 1:
         return local.narrow(dim, 0, shard.total)
     moved = local.movedim(dim, 0).contiguous()
     out = moved.new_empty((shard.parts * moved.shape[0], *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _all_gather(out, moved, group=group)
     return out[: shard.total].movedim(0, dim)

@@ -118,7 +118,7 @@ class _Server:
         self.models.pop(key, None)
         self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
 
-    def on_forward(self, key: str, method_name: str, spec, meta) -> None:
+    def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool) -> None:
         import inspect
 
         import torch
@@ -134,7 +134,8 @@ class _Server:
         options = inspect.signature(method).bind(*args, **kwargs).arguments.get("transformer_options", {})
         with torch.inference_mode(), context_parallel(module, plan, options, group=self.mesh.group("ulysses"),
                                                       parts=self.mesh.size("ulysses"),
-                                                      index=self.mesh.local_rank("ulysses")):
+                                                      index=self.mesh.local_rank("ulysses"),
+                                                      distributed_attention=distributed_attention):
             method(*args, **kwargs)
         row = self.status_table[self.rank]
         row[0] = (time.perf_counter() - started) * 1e3

@@ -305,7 +305,8 @@ class World:
         return sum(e["param_bytes"] for e in list(self._models.values()))
 
     # ---------------------------------------------------------------- forward
-    def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, epoch=None):
+    def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, epoch=None,
+                distributed_attention: bool = True):
         """Run ``method(*args, **kwargs)`` of ``module`` on every rank, context-parallel.
 
         ``method`` is rank 0's bound callable (it may be a wrapper chain ending in a
@@ -329,11 +330,12 @@ class World:
             key = self._ensure_module(module, plan, epoch)
             started = time.perf_counter()
             for w in self.workers:
-                w.conn.send(("forward", key, method_name, spec, meta))
+                w.conn.send(("forward", key, method_name, spec, meta, distributed_attention))
             protocol.broadcast_tensors(tensors, meta, self.device)
             with self._threads(), context_parallel(module, plan, options, group=self.mesh.group("ulysses"),
                                                    parts=self.mesh.size("ulysses"),
-                                                   index=self.mesh.local_rank("ulysses")):
+                                                   index=self.mesh.local_rank("ulysses"),
+                                                   distributed_attention=distributed_attention):
                 out = method(*bound.args, **bound.kwargs)
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1

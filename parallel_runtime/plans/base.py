@@ -81,8 +81,9 @@ class ModelPlan:
 class ForwardContext:
     """State of one context-parallel forward on one rank."""
 
-    def __init__(self, group, parts: int, index: int):
+    def __init__(self, group, parts: int, index: int, distributed_attention: bool = True):
         self.group = group
+        self.distributed_attention = distributed_attention
         self.parts = parts
         self.index = index
         self.shard: SeqShard | None = None
@@ -130,7 +131,7 @@ class ForwardContext:
     def attention_override(self, previous):
         def override(func, *args, **kwargs):
             attend = func if previous is None else functools.partial(previous, func)
-            if self.cp_depth > 0 and self.shard is not None and self.parts > 1:
+            if self.cp_depth > 0 and self.shard is not None and self.parts > 1 and self.distributed_attention:
                 return ulysses_attention(attend, args, kwargs, group=self.group, shard=self.shard)
             return attend(*args, **kwargs)
         return override
@@ -219,9 +220,13 @@ def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
 
 @contextlib.contextmanager
 def context_parallel(root: torch.nn.Module, plan: ModelPlan, transformer_options: dict, *, group, parts: int,
-                     index: int):
-    """Apply ``plan`` to one forward of ``root``: split, context-parallel attention, gather."""
-    ctx = ForwardContext(group, parts, index)
+                     index: int, distributed_attention: bool = True):
+    """Apply ``plan`` to one forward of ``root``: split, context-parallel attention, gather.
+
+    ``distributed_attention=False`` is a diagnostic: attention then sees only the local
+    tokens, which is what a silently broken implementation computes; tests use it to
+    prove the real path communicates."""
+    ctx = ForwardContext(group, parts, index, distributed_attention)
     cp = plan.context_parallel
     handles = []
     try:

@@ -1,0 +1,70 @@
+"""Test set-up: ComfyUI importable in this process (CPU), the pack's runtime and tools on the path.
+
+The ComfyUI root goes first on sys.path (its ``nodes.py`` must win over the pack's
+``nodes/`` folder); the checkout follows so that ``parallel_runtime`` imports as a
+top-level package, the way the workers import it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _comfyui_path() -> str:
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        return env
+    host = REPO / ".host" / "host.json"
+    if host.exists():
+        return json.loads(host.read_text())["comfyui_path"]
+    raise RuntimeError("ComfyUI not found: run the tests with tools/test.sh (it sets up the host)")
+
+
+COMFYUI_PATH = _comfyui_path()
+sys.path.insert(0, COMFYUI_PATH)
+sys.path.append(str(REPO))
+sys.path.append(str(REPO / "tools"))
+
+import comfy.options  # noqa: E402,F401
+import comfy.cli_args  # noqa: E402
+
+comfy.cli_args.args.cpu = True
+
+
+@pytest.fixture(scope="session")
+def comfyui_path() -> str:
+    return COMFYUI_PATH
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory) -> Path:
+    """A ComfyUI base directory with the tiny Wan model, VAE, LoRAs and prompt embedding."""
+    from tiny_models import write_tiny_wan_files
+
+    base = tmp_path_factory.mktemp("comfy_base")
+    write_tiny_wan_files(base)
+    return base
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_base, comfyui_path):
+    """One real ComfyUI server with the pack for the end-to-end tests of a session."""
+    from comfy_server import ComfyServer
+
+    server = ComfyServer(comfyui_path, tiny_base, python=sys.executable).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_prompt(tiny_server) -> dict:
+    """The bundled tiny workflow in API format."""
+    from workflows import load, ui_to_api
+
+    return ui_to_api(load(REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json"), tiny_server.object_info())

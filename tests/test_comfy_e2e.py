@@ -1,0 +1,146 @@
+"""End to end through a real ComfyUI server and its HTTP API (POST /prompt), CPU and gloo."""
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from comfy_server import PromptFailed, PromptRejected
+from workflows import find_nodes, remove_passthrough
+
+pytestmark = pytest.mark.comfy_server
+TOL = 1e-5
+
+
+def edited(prompt, **changes):
+    """Copy of ``prompt`` with inputs changed: changes = {class_type: {input: value}} passed as kwargs."""
+    out = copy.deepcopy(prompt)
+    for class_type, inputs in changes.items():
+        for node_id in find_nodes(out, class_type):
+            out[node_id]["inputs"].update(inputs)
+    return out
+
+
+def final_latent(server, prompt) -> torch.Tensor:
+    entry = server.run(prompt, timeout=300)
+    (path,) = server.outputs(entry, "latents")
+    return load_file(str(path))["latent_tensor"]
+
+
+def status(server) -> dict:
+    return server.get("/parallel/status")
+
+
+def test_sharded_workflow_equals_unsharded(tiny_server, tiny_prompt):
+    """Ulysses 2 on 2 ranks, stock KSampler at cfg 3, one LoRA before and one after the node."""
+    ksampler = tiny_prompt[find_nodes(tiny_prompt, "KSampler")[0]]["inputs"]
+    assert ksampler["cfg"] > 1
+    assert len(find_nodes(tiny_prompt, "LoraLoaderModelOnly")) == 2
+    assert tiny_prompt[find_nodes(tiny_prompt, "ParallelConfig")[0]]["inputs"]["ulysses_size"] == 2
+
+    unsharded = remove_passthrough(tiny_prompt, "ShardTransformer", "model")
+    assert not find_nodes(unsharded, "ShardTransformer")
+    reference = final_latent(tiny_server, unsharded)
+    result = final_latent(tiny_server, tiny_prompt)
+    err = (result - reference).abs().max().item()
+    print(f"\nthrough the HTTP API: max abs err {err:.2e} over latents up to {reference.abs().max().item():.2f}")
+    assert result.shape == reference.shape
+    assert err <= TOL
+
+    ranks = status(tiny_server)["ranks"]
+    assert len(ranks) == 2 and all(r["forwards"] > 0 for r in ranks), ranks
+
+    # The LoRAs must matter, or the comparison above would not show that they reach every rank.
+    no_lora = final_latent(tiny_server, edited(unsharded, LoraLoaderModelOnly={"strength_model": 0.0}))
+    assert (no_lora - reference).abs().max().item() > 1e-3
+
+
+def test_status_lists_every_rank(tiny_server, tiny_prompt):
+    tiny_server.run(edited(tiny_prompt, KSampler={"seed": 7}), timeout=300)
+    info = status(tiny_server)
+    assert info["world_size"] == 2 and info["mesh"] == {"cfg": 1, "ring": 1, "ulysses": 2, "tp": 1}
+    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    for r in info["ranks"]:
+        assert r["alive"] is True and r["device"] == "cpu" and r["pid"] > 0
+        assert r["param_bytes"] > 10_000_000  # the tiny transformer is about 13 MB in fp32
+        assert r["rss_bytes"] > 0 and r["pss_bytes"] > 0 and r["last_forward_ms"] > 0
+    assert info["ranks"][1]["pid"] != os.getpid()
+
+
+def test_bad_config_is_refused_before_anything_runs(tiny_server, tiny_prompt):
+    with pytest.raises(PromptRejected) as info:
+        tiny_server.queue(edited(tiny_prompt, ParallelConfig={"ulysses_size": 3}))  # 3 ranks on 2 cores
+    assert "Parallel Config: devices='auto'" in str(info.value) and "2 cores" in str(info.value)
+    with pytest.raises(PromptRejected) as info:
+        tiny_server.queue(edited(tiny_prompt, ParallelConfig={"ring_size": 2}))
+    assert "ring_size=2" in str(info.value) and "must be 1" in str(info.value)
+
+
+def test_head_count_that_does_not_divide_is_refused_at_the_node(tiny_server, tiny_prompt):
+    before = {r["pid"] for r in status(tiny_server)["ranks"]}
+    bad = edited(tiny_prompt, ParallelConfig={"ulysses_size": 3, "devices": "cpu,cpu,cpu"})
+    with pytest.raises(PromptFailed) as info:
+        tiny_server.run(bad, timeout=120)
+    message = str(info.value)
+    assert "Shard Transformer: ulysses_size=3 does not divide the 2 attention heads" in message
+    assert "valid ulysses_size values: 1, 2" in message
+    assert {r["pid"] for r in status(tiny_server)["ranks"]} == before  # no worker was started
+
+
+def _wait_for_forwards(server, rank, count, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ranks = status(server)["ranks"]
+        if len(ranks) > rank and (ranks[rank].get("forwards") or 0) >= count:
+            return ranks[rank]
+        time.sleep(0.1)
+    raise TimeoutError(f"rank {rank} did not reach {count} forwards")
+
+
+def test_killed_worker_gives_a_clear_error_and_the_next_prompt_works(tiny_server, tiny_prompt):
+    long_run = edited(tiny_prompt, KSampler={"steps": 400, "seed": 11})
+    tiny_server.run(edited(tiny_prompt, KSampler={"seed": 12}), timeout=300)  # workers up
+    start_forwards = status(tiny_server)["ranks"][1]["forwards"]
+    prompt_id = tiny_server.queue(long_run)
+    victim = _wait_for_forwards(tiny_server, 1, start_forwards + 3)
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(PromptFailed) as info:
+        tiny_server.wait(prompt_id, timeout=60)
+    elapsed = time.monotonic() - killed_at
+    message = str(info.value)
+    print(f"\nerror {elapsed:.2f}s after SIGKILL: {message.splitlines()[0][:200]}")
+    assert elapsed < 30
+    assert "rank 1" in message and "killed by signal 9" in message
+    # The next prompt starts fresh workers and gives the right answer.
+    reference = final_latent(tiny_server, remove_passthrough(tiny_prompt, "ShardTransformer", "model"))
+    again = final_latent(tiny_server, tiny_prompt)
+    assert (again - reference).abs().max().item() <= TOL
+    assert status(tiny_server)["ranks"][1]["pid"] != victim["pid"]
+
+
+def test_cancel_stops_every_rank_promptly(tiny_server, tiny_prompt):
+    tiny_server.run(edited(tiny_prompt, KSampler={"seed": 21}), timeout=300)
+    pids = [r["pid"] for r in status(tiny_server)["ranks"]]
+    start_forwards = status(tiny_server)["ranks"][1]["forwards"]
+    prompt_id = tiny_server.queue(edited(tiny_prompt, KSampler={"steps": 400, "seed": 22}))
+    _wait_for_forwards(tiny_server, 1, start_forwards + 3)
+    tiny_server.interrupt()
+    cancelled_at = time.monotonic()
+    with pytest.raises(PromptFailed) as info:
+        tiny_server.wait(prompt_id, timeout=60)
+    assert any(m[0] == "execution_interrupted" for m in info.value.status.get("messages", []))
+    # Every rank is idle: the forward count stops moving.
+    settled = status(tiny_server)["ranks"]
+    time.sleep(1.0)
+    later = status(tiny_server)["ranks"]
+    assert [r["forwards"] for r in later] == [r["forwards"] for r in settled]
+    print(f"\ncancel took {time.monotonic() - cancelled_at - 1.0:.2f}s")
+    assert all(r["alive"] for r in later)
+    # The workers survived the cancel (no reload of the weights) and serve the next prompt.
+    assert [r["pid"] for r in later] == pids
+    tiny_server.run(edited(tiny_prompt, KSampler={"seed": 23}), timeout=300)
+    assert [r["pid"] for r in status(tiny_server)["ranks"]] == pids

@@ -1,0 +1,102 @@
+"""Parallel Config validation: every refusal names the node, the value and what would be valid."""
+import pytest
+
+from parallel_runtime.config import ConfigError, HostDevices, build_config
+
+CPU2 = HostDevices(main_device="cpu", cuda_count=0, cpu_count=2)
+GPU4 = HostDevices(main_device="cuda:0", cuda_count=4, cpu_count=32)
+
+
+def refused(**kw) -> str:
+    host = kw.pop("host", CPU2)
+    with pytest.raises(ConfigError) as info:
+        build_config(host=host, **kw)
+    msg = str(info.value)
+    assert msg.startswith("Parallel Config: "), msg
+    return msg
+
+
+def test_default_is_a_single_rank():
+    cfg = build_config(host=CPU2)
+    assert cfg.world_size == 1 and cfg.devices == ("cpu",) and cfg.backend == "gloo"
+
+
+def test_ulysses_on_cpu_resolves_devices_and_backend():
+    cfg = build_config(ulysses_size=2, host=CPU2)
+    assert cfg.world_size == 2
+    assert cfg.devices == ("cpu", "cpu")
+    assert cfg.backend == "gloo"
+    assert cfg.mesh_sizes == {"cfg": 1, "ring": 1, "ulysses": 2, "tp": 1}
+
+
+@pytest.mark.parametrize("name", ["ulysses_size", "ring_size", "tp_size", "cfg_size"])
+def test_sizes_below_one_are_refused(name):
+    msg = refused(**{name: 0})
+    assert f"{name}=0" in msg and "at least 1" in msg
+
+
+@pytest.mark.parametrize("name", ["ring_size", "tp_size", "cfg_size"])
+def test_sizes_the_runtime_cannot_do_yet_are_refused_not_ignored(name):
+    msg = refused(**{name: 2})
+    assert f"{name}=2" in msg and f"{name} must be 1" in msg and "ulysses_size" in msg
+
+
+def test_more_ranks_than_cpu_cores_is_refused_with_the_way_out():
+    msg = refused(ulysses_size=4, devices="cpu")
+    assert "devices='cpu'" in msg and "4" in msg and "2 cores" in msg and "cpu,cpu,cpu,cpu" in msg
+
+
+def test_auto_on_a_two_core_machine_allows_two_ranks_only():
+    assert build_config(ulysses_size=2, devices="auto", host=CPU2).world_size == 2
+    refused(ulysses_size=3, devices="auto")
+
+
+def test_explicit_cpu_list_may_oversubscribe():
+    cfg = build_config(ulysses_size=4, devices="cpu,cpu,cpu,cpu", host=CPU2)
+    assert cfg.devices == ("cpu",) * 4
+
+
+def test_device_list_must_match_the_world_size():
+    msg = refused(ulysses_size=2, devices="cpu,cpu,cpu")
+    assert "3 devices" in msg and "world size of 2" in msg
+
+
+@pytest.mark.parametrize("spec", ["", "gpu0,gpu1", "0,,1", "cuda:x", "cpu,0"])
+def test_malformed_devices_are_refused(spec):
+    msg = refused(ulysses_size=2, devices=spec)
+    assert "devices=" in msg
+
+
+def test_cuda_devices_on_a_cpu_host_are_refused():
+    msg = refused(ulysses_size=2, devices="0,1")
+    assert "CPU" in msg
+
+
+def test_cuda_auto_takes_comfyui_device_first():
+    host = HostDevices(main_device="cuda:2", cuda_count=4, cpu_count=32)
+    cfg = build_config(ulysses_size=4, host=host)
+    assert cfg.devices == ("cuda:2", "cuda:0", "cuda:1", "cuda:3")
+    assert cfg.backend == "nccl"
+
+
+def test_cuda_more_ranks_than_gpus_is_refused():
+    msg = refused(ulysses_size=8, host=GPU4)
+    assert "4 CUDA devices" in msg
+
+
+def test_cuda_missing_and_duplicate_devices_are_refused():
+    assert "not present" in refused(ulysses_size=2, devices="0,7", host=GPU4)
+    assert "once" in refused(ulysses_size=2, devices="0,0", host=GPU4)
+
+
+def test_rank0_must_be_comfyui_device():
+    msg = refused(ulysses_size=2, devices="1,2", host=GPU4)
+    assert "rank 0" in msg and "cuda:0" in msg
+
+
+@pytest.mark.parametrize("backend,host,expected", [("nccl", CPU2, "NCCL needs CUDA"),
+                                                   ("gloo", GPU4, "all-to-all"),
+                                                   ("mpi", CPU2, "auto, nccl, gloo")])
+def test_backend_mismatches_are_refused(backend, host, expected):
+    msg = refused(ulysses_size=2, backend=backend, host=host)
+    assert f"backend={backend!r}" in msg and expected in msg

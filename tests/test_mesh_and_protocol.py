@@ -1,0 +1,55 @@
+"""Pure pieces: rank layout over the mesh, and what can (not) be sent to workers."""
+import pytest
+import torch
+
+from parallel_runtime import protocol
+from parallel_runtime.mesh import MeshLayout
+from parallel_runtime.sequence import SeqShard
+
+
+def test_tp_is_innermost_and_groups_partition_the_world():
+    layout = MeshLayout.from_sizes({"cfg": 2, "ulysses": 2, "tp": 2})
+    assert layout.world_size == 8
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("ulysses") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("cfg") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for rank in range(8):
+        assert layout.rank_of(layout.coords(rank)) == rank
+
+
+def test_sequence_parallel_group_spans_ring_and_ulysses():
+    layout = MeshLayout.from_sizes({"ring": 2, "ulysses": 2})
+    assert layout.groups("sp") == [[0, 1, 2, 3]]
+    assert layout.size("sp") == 4
+
+
+@pytest.mark.parametrize("total,parts", [(45, 2), (7, 4), (8, 2), (1, 2)])
+def test_shards_cover_the_sequence_exactly_once(total, parts):
+    shards = [SeqShard(total, parts, i) for i in range(parts)]
+    covered = [i for s in shards for i in range(s.start, s.stop)]
+    assert covered == list(range(total))
+    assert all(s.padded_total >= total and s.chunk * parts == s.padded_total for s in shards)
+
+
+def test_call_specs_round_trip_with_tensors_replaced():
+    x = torch.randn(2, 3)
+    obj = ((x, 5, "a"), {"transformer_options": {"sigmas": x * 2, "cond_or_uncond": [0, 1]}, "flag": None})
+    tensors = []
+    spec = protocol.flatten(obj, tensors)
+    assert len(tensors) == 2
+    meta = protocol.tensor_meta(tensors)
+    assert meta == [((2, 3), torch.float32), ((2, 3), torch.float32)]
+    back = protocol.unflatten(spec, tensors)
+    assert back[0][1:] == (5, "a") and torch.equal(back[1]["transformer_options"]["sigmas"], x * 2)
+
+
+def test_objects_that_cannot_reach_workers_are_named():
+    with pytest.raises(protocol.UnsupportedInput, match=r"input\[1\]\['hook'\] is a builtins.function"):
+        protocol.flatten(((), {"hook": lambda: 0}), [])
+
+
+def test_patches_from_other_nodes_are_refused_and_orchestration_is_dropped():
+    options = {"wrappers": {"x": 1}, "callbacks": {}, "sigmas": torch.ones(1), "patches": {}}
+    assert set(protocol.worker_transformer_options(options)) == {"sigmas"}
+    with pytest.raises(protocol.UnsupportedInput, match="patches_replace"):
+        protocol.worker_transformer_options({"patches_replace": {"dit": {("double_block", 0): print}}})
