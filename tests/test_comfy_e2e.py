@@ -144,3 +144,33 @@ def test_cancel_stops_every_rank_promptly(tiny_server, tiny_prompt):
     assert [r["pid"] for r in later] == pids
     tiny_server.run(edited(tiny_prompt, KSampler={"seed": 23}), timeout=300)
     assert [r["pid"] for r in status(tiny_server)["ranks"]] == pids
+
+
+def test_workers_exit_when_comfyui_is_killed(tiny_base, comfyui_path, tiny_prompt):
+    import sys
+
+    import psutil
+
+    from comfy_server import ComfyServer
+
+    server = ComfyServer(comfyui_path, tiny_base, python=sys.executable,
+                         log_path=tiny_base / "killed_comfyui.log").start()
+    try:
+        server.run(tiny_prompt, timeout=300)
+        workers = [r["pid"] for r in status(server)["ranks"][1:]]
+        assert workers and all(psutil.pid_exists(p) for p in workers)
+    finally:
+        server.stop(sig=signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(p) for p in workers):
+        time.sleep(0.1)
+    assert not any(_running(p) for p in workers), "a worker outlived the ComfyUI that started it"
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

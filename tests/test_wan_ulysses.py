@@ -80,6 +80,20 @@ def test_per_frame_timesteps_follow_the_split(world, model):
     assert err <= TOL
 
 
+def test_image_to_video_keeps_image_cross_attention_local(world):
+    """Wan I2V attends to 257 CLIP image tokens next to the text: local on every rank."""
+    model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=4, text_dim=TEXT_DIM,
+                            model_type="i2v")
+    x, t, context = inputs(frames=2, height=6, width=10)  # 2 x 3 x 5 = 30 tokens
+    clip_fea = torch.randn(2, 257, 1280, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        ref = model(x, t, context, clip_fea=clip_fea, transformer_options={})
+        out = world.forward(model, find_plan(model), model._forward, (x, t, context),
+                            {"clip_fea": clip_fea, "transformer_options": {}})
+    err, _ = errors(out, ref)
+    assert err <= TOL
+
+
 def test_changed_weights_reach_the_workers(world, model):
     x, t, context = inputs(seed=1)
     sharded(world, model, x, t, context)

@@ -42,13 +42,14 @@ def _seeded_(tensors, seed: int, scale: float = 0.05):
             t.copy_(torch.randn(t.shape, generator=gen) * scale)
 
 
-def build_wan_model(spec: TinyWan = TinyWan(), seed: int = 0, dtype=torch.float32, text_dim: int = WAN_TEXT_DIM):
-    """A ComfyUI WanModel with seeded weights (eval mode)."""
+def build_wan_model(spec: TinyWan = TinyWan(), seed: int = 0, dtype=torch.float32, text_dim: int = WAN_TEXT_DIM,
+                    model_type: str = "t2v"):
+    """A ComfyUI WanModel with seeded weights (eval mode); ``model_type`` "i2v" adds the image branch."""
     import comfy.ldm.wan.model
     import comfy.ops
 
     model = comfy.ldm.wan.model.WanModel(
-        model_type="t2v", patch_size=(1, 2, 2), dim=spec.dim, ffn_dim=spec.ffn_dim, num_heads=spec.num_heads,
+        model_type=model_type, patch_size=(1, 2, 2), dim=spec.dim, ffn_dim=spec.ffn_dim, num_heads=spec.num_heads,
         num_layers=spec.num_layers, in_dim=spec.in_dim, out_dim=spec.out_dim, text_dim=text_dim, dtype=dtype,
         operations=comfy.ops.disable_weight_init)
     _seeded_([p for _, p in sorted(model.named_parameters())], seed)
