@@ -4,20 +4,50 @@ ComfyUI calls the override as ``override(func, q, k, v, heads, ...)``. Two layou
 reach it: ``[B, S, H*D]`` (Wan, SD3, LTXV) and, with ``skip_reshape=True``,
 ``[B, H, S, D]`` (Flux family, Qwen-Image, Lumina2). RoPE is already applied.
 
-Ulysses: one all-to-all turns sequence-sharded q/k/v into head-sharded full
-sequences; the padding of uneven chunks is cut off so that attention sees exactly
-the real tokens; the wrapped attention function (whatever backend ComfyUI picked)
-runs on ``H / n`` heads; a second all-to-all returns the sequence shards.
+Each rank holds a *joint chunk*: the concatenation of its padded chunks of one or
+more token streams (text and image, say). ``JointLayout`` knows where the real
+tokens sit in every rank's chunk, so padding never reaches a softmax.
+
+- Ulysses (size U): an all-to-all turns sequence chunks into head shards of the
+  U chunks of the group; the real tokens are picked out, the attention function
+  ComfyUI chose runs on ``H / U`` heads, and a second all-to-all returns the chunks.
+- Ring (size R): each rank keeps its queries and passes its key/value block around
+  the ring; partial results are merged exactly with their log-sum-exp.
+- USP: Ulysses inside each ring group, Ring across them.
+
+Key order differs from the single-device run (chunks of several streams are
+interleaved), which attention does not see: softmax over keys is order-free.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .sequence import SeqShard
+
+@dataclass(frozen=True)
+class JointLayout:
+    """Real-token positions inside every sequence-parallel rank's joint chunk."""
+
+    chunk: int                          # length of every rank's joint chunk (padded)
+    valid: tuple[torch.Tensor | None, ...]  # per sp rank: positions of real tokens, None = all real
+
+    def gathered(self, ranks: range) -> torch.Tensor | None:
+        """Real-token positions in the concatenation of the chunks of ``ranks``; None if all real."""
+        parts, any_pad = [], False
+        for i, r in enumerate(ranks):
+            idx = self.valid[r]
+            if idx is None:
+                idx = torch.arange(self.chunk)
+            else:
+                any_pad = True
+            parts.append(idx + i * self.chunk)
+        return torch.cat(parts) if any_pad else None
 
 
-def _heads_of(args, kwargs):
+def _heads_of(args, kwargs) -> int:
     if "heads" in kwargs:
         return kwargs["heads"]
     if len(args) > 3:
@@ -25,58 +55,163 @@ def _heads_of(args, kwargs):
     raise TypeError("attention call without a 'heads' argument")
 
 
-def _with_heads(args, kwargs, heads):
+def _call_args(args, kwargs, q, k, v, heads):
+    """Arguments for the wrapped attention function: canonical [B, H, S, D] in and out."""
+    kw = {**kwargs, "skip_reshape": True, "skip_output_reshape": True}
     if "heads" in kwargs:
-        return args, {**kwargs, "heads": heads}
-    return (*args[:3], heads, *args[4:]), kwargs
+        kw["heads"] = heads
+        return (q, k, v, *args[3:]), kw
+    return (q, k, v, heads, *args[4:]), kw
+
+
+def to_bhsd(t: torch.Tensor, heads: int, head_layout: bool) -> torch.Tensor:
+    if head_layout:
+        return t
+    b, s, hd = t.shape
+    return t.view(b, s, heads, hd // heads).transpose(1, 2)
+
+
+def from_bhsd(t: torch.Tensor, output_heads_first: bool) -> torch.Tensor:
+    if output_heads_first:
+        return t
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b, s, h * d)
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """Exchange equal chunks of dim 0 (one per rank in ``group``)."""
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
     return out
 
 
-def ulysses_attention(attend, args, kwargs, *, group, shard: SeqShard):
-    """Run ``attend(q, k, v, heads, ...)`` over the full sequence with heads split across ``group``."""
+def scatter_heads(qkv: torch.Tensor, n: int, group) -> torch.Tensor:
+    """[3, B, H, S, D] sequence-sharded -> [3, B, H/n, n*S, D] head-sharded (Ulysses forward)."""
+    three, b, h, s, d = qkv.shape
+    send = qkv.reshape(three, b, n, h // n, s, d).permute(2, 0, 1, 3, 4, 5).contiguous()
+    recv = _all_to_all(send, group)  # [n (source chunk), 3, B, H/n, S, D]
+    return recv.permute(1, 2, 3, 0, 4, 5).reshape(three, b, h // n, n * s, d)
+
+
+def gather_heads(out: torch.Tensor, n: int, group) -> torch.Tensor:
+    """[B, H/n, n*S, D] head-sharded -> [B, H, S, D] sequence-sharded (Ulysses backward)."""
+    b, hn, ns, d = out.shape
+    s = ns // n
+    send = out.reshape(b, hn, n, s, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = _all_to_all(send, group)  # [n (head group), B, H/n, S, D]
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, n * hn, s, d)
+
+
+def attention_with_lse(q, k, v, scale: float):
+    """Attention and its log-sum-exp per query ([B, H, Sq] in fp32), exact on every device."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+        return out, lse.float()
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+        return out, lse.float()
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    return out, lse
+
+
+def _merge(acc, acc_lse, out, lse):
+    if acc is None:
+        return out.float(), lse
+    new_lse = torch.logaddexp(acc_lse, lse)
+    acc = acc * torch.exp(acc_lse - new_lse).unsqueeze(-1) + out.float() * torch.exp(lse - new_lse).unsqueeze(-1)
+    return acc, new_lse
+
+
+def ring_attention(q, k, v, *, group, ring_size: int, ring_rank: int, key_index) -> torch.Tensor:
+    """Exact attention of local queries over the key/value blocks of every ring rank.
+
+    ``key_index(j)`` gives the real-token positions of ring rank j's block (None: all real).
+    Blocks travel one hop per step with batched send/recv, overlapping the next compute.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    group_ranks = dist.get_process_group_ranks(group)
+    send_to = group_ranks[(ring_rank + 1) % ring_size]
+    recv_from = group_ranks[(ring_rank - 1) % ring_size]
+    kv = torch.stack([k, v]).contiguous()
+    acc = acc_lse = None
+    for step in range(ring_size):
+        pending = None
+        if step + 1 < ring_size:
+            incoming = torch.empty_like(kv)
+            pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, send_to, group),
+                                              dist.P2POp(dist.irecv, incoming, recv_from, group)])
+        owner = (ring_rank - step) % ring_size
+        idx = key_index(owner)
+        kb, vb = kv[0], kv[1]
+        if idx is not None:
+            if idx.numel() == 0:
+                kb = None
+            else:
+                idx = idx.to(kb.device)
+                kb, vb = kb.index_select(2, idx), vb.index_select(2, idx)
+        if kb is not None:
+            out, lse = attention_with_lse(q, kb, vb, scale)
+            acc, acc_lse = _merge(acc, acc_lse, out, lse)
+        if pending is not None:
+            for req in pending:
+                req.wait()
+            kv = incoming
+    return acc.to(q.dtype)
+
+
+@dataclass
+class SequenceParallel:
+    """The groups a context-parallel attention call communicates over."""
+
+    ulysses_group: object
+    ulysses_size: int
+    ulysses_rank: int
+    ring_group: object
+    ring_size: int
+    ring_rank: int
+
+    @property
+    def sp_rank(self) -> int:
+        return self.ring_rank * self.ulysses_size + self.ulysses_rank
+
+
+def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, layout: JointLayout):
+    """Attention of the joint chunks of all sequence-parallel ranks; returns this rank's chunk."""
     q, k, v = args[:3]
-    n = shard.parts
     heads = _heads_of(args, kwargs)
-    if heads % n:
-        raise RuntimeError(f"Ulysses: {heads} attention heads do not divide by the Ulysses size {n}")
     if kwargs.get("mask") is not None:
-        raise RuntimeError("Ulysses: attention masks at context-parallel sites are not supported by this version")
-    head_layout = bool(kwargs.get("skip_reshape", False))  # [B, H, S, D] instead of [B, S, H*D]
-    local_heads = heads // n
-
-    if head_layout:
-        b, _, s_chunk, d = q.shape
-        # [3, B, n, H/n, Sc, D] -> [n, 3, B, H/n, Sc, D]
-        packed = torch.stack([t.reshape(b, n, local_heads, s_chunk, d) for t in (q, k, v)]).permute(2, 0, 1, 3, 4, 5)
-        recv = _all_to_all(packed.contiguous(), group)  # [n (sequence chunk), 3, B, H/n, Sc, D]
-        full = recv.permute(1, 2, 3, 0, 4, 5).reshape(3, b, local_heads, n * s_chunk, d)[:, :, :, : shard.total]
-        q2, k2, v2 = full.unbind(0)
+        raise RuntimeError("context parallel: attention masks at context-parallel sites are not supported; "
+                           "the model plan must remove the padding the mask stands for")
+    head_layout = bool(kwargs.get("skip_reshape", False))
+    U, R = sp.ulysses_size, sp.ring_size
+    if heads % U:
+        raise RuntimeError(f"Ulysses: {heads} attention heads do not divide by the Ulysses size {U}")
+    if q.shape[-2 if head_layout else 1] != layout.chunk:
+        raise RuntimeError(f"context parallel: attention got {q.shape} but this rank's joint chunk has "
+                           f"{layout.chunk} tokens; the model plan does not describe this attention site")
+    qkv = torch.stack([to_bhsd(t, heads, head_layout) for t in (q, k, v)])  # [3, B, H, S, D]
+    if U > 1:
+        qkv = scatter_heads(qkv, U, sp.ulysses_group)
+    local_heads = heads // U
+    # Real tokens of the U chunks this rank now holds (its ring block).
+    block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
+    if R == 1:
+        real = layout.gathered(block_ranks(0))
+        q2, k2, v2 = qkv.unbind(0)
+        if real is not None:
+            real = real.to(q2.device)
+            q2, k2, v2 = (t.index_select(2, real) for t in (q2, k2, v2))
+        call_args, call_kwargs = _call_args(args, kwargs, q2, k2, v2, local_heads)
+        out = attend(*call_args, **call_kwargs)  # [B, H/U, S_real, D]
+        if real is not None:
+            full = out.new_zeros(out.shape[0], out.shape[1], qkv.shape[3], out.shape[3])
+            full.index_copy_(2, real, out)
+            out = full
     else:
-        b, s_chunk, hd = q.shape
-        d = hd // heads
-        packed = torch.stack([t.reshape(b, s_chunk, n, local_heads, d) for t in (q, k, v)]).permute(3, 0, 1, 2, 4, 5)
-        recv = _all_to_all(packed.contiguous(), group)  # [n (sequence chunk), 3, B, Sc, H/n, D]
-        full = recv.permute(1, 2, 0, 3, 4, 5).reshape(3, b, n * s_chunk, local_heads * d)[:, :, : shard.total]
-        q2, k2, v2 = full.unbind(0)
-
-    new_args, new_kwargs = _with_heads((q2, k2, v2, *args[3:]), kwargs, local_heads)
-    out = attend(*new_args, **new_kwargs)
-
-    # Back to this rank's sequence chunk with all heads.
-    if kwargs.get("skip_output_reshape", False):
-        out = out.transpose(1, 2)  # [B, S, H/n, D]
-    out = out.reshape(b, shard.total, local_heads, d)
-    if shard.padded_total != shard.total:
-        out = torch.cat([out, out.new_zeros(b, shard.padded_total - shard.total, local_heads, d)], dim=1)
-    send = out.reshape(b, n, s_chunk, local_heads, d).permute(1, 0, 2, 3, 4).contiguous()
-    back = _all_to_all(send, group)  # [n (head group), B, Sc, H/n, D]
-    back = back.permute(1, 2, 0, 3, 4)  # [B, Sc, n, H/n, D]
-    if kwargs.get("skip_output_reshape", False):
-        return back.reshape(b, s_chunk, heads, d).transpose(1, 2)
-    return back.reshape(b, s_chunk, heads * d)
+        q2, k2, v2 = qkv.unbind(0)
+        out = ring_attention(q2, k2, v2, group=sp.ring_group, ring_size=R, ring_rank=sp.ring_rank,
+                             key_index=lambda j: layout.gathered(block_ranks(j)))
+    if U > 1:
+        out = gather_heads(out.contiguous(), U, sp.ulysses_group)
+    return from_bhsd(out, bool(kwargs.get("skip_output_reshape", False)))

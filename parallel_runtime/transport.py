@@ -109,6 +109,28 @@ def pack_module(module: torch.nn.Module) -> bytes:
     return buf.getvalue()
 
 
+def shared_storages(module: torch.nn.Module) -> list:
+    """The shared CPU storages behind a packed module (one entry per storage)."""
+    seen, out = set(), []
+    for t in module_tensors(module):
+        if t.device.type == "cpu":
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                out.append(st)
+    return out
+
+
+def release_for_dead_receiver(storages) -> None:
+    """Give back the reference a receiver held on each storage when it died without
+    releasing it (SIGKILL, crash): otherwise the shared files would outlive the weights."""
+    for st in storages:
+        try:
+            st._shared_decref()
+        except RuntimeError:
+            pass
+
+
 def unpack_module(data: bytes, device: torch.device) -> torch.nn.Module:
     use_shared_memory_strategy()
     module = pickle.loads(data)

@@ -99,6 +99,11 @@ class _Server:
             msg = self.conn.recv()
             kind = msg[0]
             if kind == "shutdown":
+                self.models.clear()  # unmap the shared weights and the status table before exiting
+                self.status_table = None
+                import gc
+
+                gc.collect()
                 return
             getattr(self, "on_" + kind)(*msg[1:])
 
@@ -119,24 +124,19 @@ class _Server:
         self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
 
     def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool) -> None:
-        import inspect
-
         import torch
 
         from parallel_runtime import protocol
-        from parallel_runtime.plans import context_parallel
+        from parallel_runtime.execution import run_sharded
 
         started = time.perf_counter()
         module, plan = self.models[key]
         tensors = protocol.broadcast_tensors(None, meta, self.device)
         args, kwargs = protocol.unflatten(spec, tensors)
         method = getattr(module, method_name)
-        options = inspect.signature(method).bind(*args, **kwargs).arguments.get("transformer_options", {})
-        with torch.inference_mode(), context_parallel(module, plan, options, group=self.mesh.group("ulysses"),
-                                                      parts=self.mesh.size("ulysses"),
-                                                      index=self.mesh.local_rank("ulysses"),
-                                                      distributed_attention=distributed_attention):
-            method(*args, **kwargs)
+        with torch.inference_mode():
+            run_sharded(module, plan, self.mesh, method, method, args, kwargs,
+                        distributed_attention=distributed_attention)
         row = self.status_table[self.rank]
         row[0] = (time.perf_counter() - started) * 1e3
         row[2] += 1

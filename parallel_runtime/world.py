@@ -38,7 +38,8 @@ import torch.distributed as dist
 from . import protocol, transport
 from .config import ParallelConfig
 from .mesh import MeshLayout, ProcessMesh
-from .plans import ModelPlan, check_plan_matches, context_parallel
+from .execution import run_sharded
+from .plans import ModelPlan, check_plan_matches
 
 log = logging.getLogger("parallel")
 
@@ -73,6 +74,8 @@ class _Worker:
         self.proc = proc
         self.conn = None
         self.output = collections.deque(maxlen=200)  # last lines, for crash reports
+        self.loaded: set[str] = set()  # model keys whose shared weights this worker maps
+        self.maps_status_table = False
         self.reported_error: str | None = None
         self._relay = threading.Thread(target=self._relay_output, name=f"parallel-rank{rank}-log", daemon=True)
         self._relay.start()
@@ -125,6 +128,7 @@ class World:
         self._status_table = None
         self._models: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._model_keys = itertools.count(1)
+        self._storages: dict[str, list] = {}  # model key -> shared storages the workers map
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -171,6 +175,7 @@ class World:
         self._accept_all(time.monotonic() + STARTUP_TIMEOUT_S)
         for w in self.workers:
             w.conn.send(("status_table", _pickled_shared(self._status_table)))
+            w.maps_status_table = True
         dist.init_process_group(self.config.backend, store=self._store, rank=0, world_size=self.world_size,
                                 timeout=timeout)
         self.mesh = ProcessMesh(self.layout, 0)
@@ -241,6 +246,12 @@ class World:
                     w.proc.wait(5)
                 if w.conn is not None:
                     w.conn.close()
+                if w.proc.returncode != 0:  # died without unmapping: release what it held
+                    for key in w.loaded:
+                        transport.release_for_dead_receiver(self._storages.get(key, ()))
+                    if w.maps_status_table:
+                        transport.release_for_dead_receiver([self._status_table.untyped_storage()])
+                w.loaded.clear()
             if dist.is_initialized():
                 try:
                     dist.destroy_process_group()
@@ -277,11 +288,15 @@ class World:
         check_plan_matches(module, plan)
         key = entry["key"] if entry else f"m{next(self._model_keys)}"
         started = time.perf_counter()
-        data = transport.pack_module(module)
-        fingerprint = transport.weights_fingerprint(module)  # sharing moved the storages
         for w in self.workers:
-            w.conn.send(("load", key, plan.family, data))
+            # One pickle per receiver: each pickle takes a reference on the shared files that
+            # its receiver releases, so one pickle read by several workers would let them vanish.
+            w.conn.send(("load", key, plan.family, transport.pack_module(module)))
+            w.loaded.add(key)  # from now on this worker holds a reference (released if it dies)
+        fingerprint = transport.weights_fingerprint(module)  # sharing moved the storages
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        storages = transport.shared_storages(module)
+        self._storages[key] = storages
         for w in self.workers:
             self._expect(w, "loaded", deadline)
         nbytes = transport.param_bytes(module)
@@ -297,8 +312,10 @@ class World:
         for w in self.workers:
             try:
                 w.conn.send(("drop", key))
+                w.loaded.discard(key)
             except (OSError, EOFError):
                 pass
+        self._storages.pop(key, None)
 
     @property
     def param_bytes_rank0(self) -> int:
@@ -332,11 +349,9 @@ class World:
             for w in self.workers:
                 w.conn.send(("forward", key, method_name, spec, meta, distributed_attention))
             protocol.broadcast_tensors(tensors, meta, self.device)
-            with self._threads(), context_parallel(module, plan, options, group=self.mesh.group("ulysses"),
-                                                   parts=self.mesh.size("ulysses"),
-                                                   index=self.mesh.local_rank("ulysses"),
-                                                   distributed_attention=distributed_attention):
-                out = method(*bound.args, **bound.kwargs)
+            with self._threads():
+                out = run_sharded(module, plan, self.mesh, method, getattr(module, method_name), bound.args,
+                                  bound.kwargs, distributed_attention=distributed_attention)
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1
             return out

@@ -44,3 +44,41 @@ def test_a_dead_worker_is_replaced_on_the_next_run(runtime):
     world.workers[0].proc.wait()
     fresh = runtime.world_for(config)
     assert fresh is not world and fresh.healthy
+
+
+def test_shared_weights_are_released_after_worlds_end_even_when_a_worker_was_killed(runtime):
+    """Every worker maps the weights' shared-memory files; a worker killed with SIGKILL
+    never unmaps them. Once the model is gone on rank 0, no file may be left behind."""
+    import gc
+    import glob
+    import os
+
+    import torch
+
+    from parallel_runtime.plans import find_plan
+    from tiny_models import TinyWan, build_wan_model
+
+    def our_files():
+        return glob.glob(f"/dev/shm/torch_{os.getpid()}_*")
+
+    before = set(our_files())
+    model = build_wan_model(TinyWan(), text_dim=64)
+    x, t, c = torch.randn(2, 16, 3, 10, 14), torch.tensor([1.0, 2.0]), torch.randn(2, 7, 64)
+
+    def forward(world):
+        with torch.inference_mode():
+            return world.forward(model, find_plan(model), model._forward, (x, t, c), {"transformer_options": {}})
+
+    forward(runtime.world_for(build_config(ulysses_size=2, host=CPU)))
+    world = runtime.world_for(build_config(ring_size=2, ulysses_size=2, devices="cpu,cpu,cpu,cpu", host=CPU))
+    forward(world)
+    world.workers[1].proc.kill()
+    world.workers[1].proc.wait()
+    with pytest.raises(Exception, match="rank 2"):
+        forward(world)
+    forward(runtime.world_for(build_config(ulysses_size=2, host=CPU)))
+    assert len(set(our_files()) - before) > 10  # the weights live in shared memory while in use
+    runtime.shutdown("test")
+    del model, world
+    gc.collect()
+    assert set(our_files()) - before == set()

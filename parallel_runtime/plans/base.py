@@ -1,19 +1,22 @@
 """Declarative per-family parallel plans and the machinery that applies them.
 
-A plan names module paths (glob patterns over ``named_modules()``) and what
-happens there, in the style of diffusers' ``_cp_plan``:
+A plan names module paths (glob patterns per dotted segment over
+``named_modules()``) and what happens there, in the style of diffusers' ``_cp_plan``:
 
-- ``inputs``: inputs cut along the token dimension when the module is called.
-  One entry point per model ``starts_sequence`` and fixes the token count; side
-  inputs (RoPE tables, per-token modulation) are cut the same way wherever they
-  are passed.
-- ``outputs``: module outputs gathered back to the full sequence.
-- ``attention``: modules whose attention calls are context-parallel. Attention
-  anywhere else (cross-attention to the text) stays local: each rank attends
-  its query shard to the full keys.
+- ``inputs``: inputs cut along a token dimension when the module is called. A
+  model may have several token *streams* (text and image); for each stream one
+  input ``starts_stream`` and fixes its length. Side inputs (RoPE tables,
+  per-token modulation, masks) are cut the same way wherever they are passed; a
+  side input that covers several streams back to back (RoPE for ``[txt, img]``)
+  names them as ``segments``.
+- ``outputs``: module outputs gathered back to full streams.
+- ``attention``: modules whose attention calls are context-parallel, with the
+  order in which the model concatenates the streams there. Attention anywhere
+  else (cross-attention to the text) stays local: each rank attends its query
+  shard to the full keys.
 
-The machinery installs forward hooks for the duration of one forward and
-removes them afterwards, so the module ComfyUI owns is left untouched.
+The machinery installs forward hooks for the duration of one forward and removes
+them afterwards, so the module ComfyUI owns is left untouched.
 """
 from __future__ import annotations
 
@@ -27,40 +30,48 @@ from typing import Callable
 
 import torch
 
-from ..attention import ulysses_attention
+from ..attention import JointLayout, SequenceParallel, context_parallel_attention
 from ..sequence import SeqShard, gather_chunks, take_chunk
 
 OVERRIDE_KEY = "optimized_attention_override"
+MAIN_STREAM = "x"
 
 
 @dataclass(frozen=True)
 class Split:
     """Cut the input ``arg`` of a module along ``dim``.
 
-    ``starts_sequence``: this input is the token sequence itself and fixes its length.
-    Otherwise the input is a side input: cut when its size along ``dim`` equals the
-    token count, passed unchanged when it is 1 (broadcast), and first expanded with
-    ``expand(t, total)`` when the model itself would expand it per token.
+    ``starts_stream``: this input is the token stream ``stream`` itself and fixes its
+    length. Otherwise it is a side input of ``stream``: cut when its size along
+    ``dim`` equals the stream's token count, passed unchanged when it is 1
+    (broadcast), and first expanded with ``expand(t, total)`` when the model itself
+    would expand it per token. ``segments``: the input covers these streams back to
+    back along ``dim`` (each part is cut by its own stream).
     """
 
     arg: str
     dim: int = 1
-    starts_sequence: bool = False
+    stream: str = MAIN_STREAM
+    starts_stream: bool = False
+    segments: tuple[str, ...] | None = None
     expand: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
 class Gather:
-    """Gather the module's output back to the full sequence along ``dim``."""
+    """Gather a module's output back to the full stream along ``dim``
+    (``segments``: the output holds these streams back to back)."""
 
     dim: int = 1
+    stream: str = MAIN_STREAM
+    segments: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
 class ContextParallelPlan:
     inputs: dict[str, tuple[Split, ...]]
     outputs: dict[str, Gather]
-    attention: tuple[str, ...]
+    attention: dict[str, tuple[str, ...]]  # module pattern -> streams in the order the model joins them
 
 
 @dataclass(frozen=True)
@@ -68,71 +79,124 @@ class ModelPlan:
     family: str               # short id, e.g. "wan"
     title: str                # what users call it, e.g. "Wan 2.1 / 2.2"
     classes: tuple[str, ...]  # qualified class names this plan covers
-    heads_attr: str           # attribute of the root module holding the head count
+    heads_attr: str           # attribute path (dotted) of the root module holding the head count
     context_parallel: ContextParallelPlan
     notes: str = ""
-    # Which mesh dimensions the plan supports (for the support matrix and node checks).
-    supports: tuple[str, ...] = field(default=("ulysses",))
+    # Mesh dimensions the plan supports (for the support matrix and the node's checks).
+    supports: tuple[str, ...] = field(default=("ulysses", "ring", "cfg"))
 
     def heads(self, module: torch.nn.Module) -> int:
-        return int(getattr(module, self.heads_attr))
+        value = module
+        for part in self.heads_attr.split("."):
+            value = getattr(value, part)
+        return int(value)
 
 
 class ForwardContext:
     """State of one context-parallel forward on one rank."""
 
-    def __init__(self, group, parts: int, index: int, distributed_attention: bool = True):
-        self.group = group
+    def __init__(self, sp: SequenceParallel, sp_group, distributed_attention: bool = True):
+        self.sp = sp
+        self.sp_group = sp_group
+        self.parts = sp.ulysses_size * sp.ring_size
+        self.index = sp.sp_rank
         self.distributed_attention = distributed_attention
-        self.parts = parts
-        self.index = index
-        self.shard: SeqShard | None = None
-        self.cp_depth = 0
+        self.streams: dict[str, SeqShard] = {}
+        self.cp_sites: list[tuple[str, ...]] = []  # stack of the attention sites being executed
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[tuple[str, ...], JointLayout] = {}
 
-    def start_sequence(self, total: int) -> SeqShard:
-        if self.shard is not None and self.shard.total != total:
-            raise RuntimeError(f"context parallel: a second token sequence of length {total} entered the model "
-                               f"(the first had {self.shard.total}); the model plan does not cover this input")
-        self.shard = SeqShard(total, self.parts, self.index)
-        return self.shard
+    # ------------------------------------------------------------ streams
+    def start_stream(self, name: str, total: int) -> SeqShard:
+        known = self.streams.get(name)
+        if known is not None and known.total != total:
+            raise RuntimeError(f"context parallel: stream '{name}' entered again with {total} tokens (first "
+                               f"{known.total}); the model plan does not cover this input")
+        shard = SeqShard(total, self.parts, self.index)
+        self.streams[name] = shard
+        return shard
+
+    def _stream(self, name: str, what: str) -> SeqShard:
+        shard = self.streams.get(name)
+        if shard is None:
+            raise RuntimeError(f"context parallel plan error: {what} needs stream '{name}', which has not been "
+                               "split yet")
+        return shard
 
     def split(self, t: torch.Tensor, spec: Split, site: str) -> torch.Tensor:
         memo = self._memo.get(id(t))
         if memo is not None and memo[0] is t:
             return memo[1]
-        if spec.starts_sequence:
-            shard = self.start_sequence(t.shape[spec.dim])
+        what = f"input '{spec.arg}' of {site}"
+        if spec.segments:
+            shards = [self._stream(s, what) for s in spec.segments]
+            if t.shape[spec.dim] != sum(s.total for s in shards):
+                raise RuntimeError(f"context parallel: {what} has {t.shape[spec.dim]} entries along dim {spec.dim}, "
+                                   f"not the {sum(s.total for s in shards)} tokens of streams {spec.segments}")
+            pieces, offset = [], 0
+            for shard in shards:
+                pieces.append(take_chunk(t.narrow(spec.dim, offset, shard.total), spec.dim, shard))
+                offset += shard.total
+            out = torch.cat(pieces, dim=spec.dim)
         else:
-            shard = self.shard
-            if shard is None:
-                raise RuntimeError(f"context parallel plan error: side input '{spec.arg}' of {site} arrived "
-                                   "before the token sequence was split")
-        size = t.shape[spec.dim]
-        if not spec.starts_sequence and size != shard.total:
-            if size == 1:
-                return t  # broadcast over tokens
-            if spec.expand is None:
-                raise RuntimeError(f"context parallel: input '{spec.arg}' of {site} has {size} entries along "
-                                   f"dim {spec.dim} but the sequence has {shard.total} tokens")
-            t_full = spec.expand(t, shard.total)
-        else:
-            t_full = t
-        out = take_chunk(t_full, spec.dim, shard)
-        if not spec.starts_sequence:  # side inputs recur at every block: cut them once
-            self._memo[id(t)] = (t, out)
+            if spec.starts_stream:
+                shard = self.start_stream(spec.stream, t.shape[spec.dim])
+            else:
+                shard = self._stream(spec.stream, what)
+            size = t.shape[spec.dim]
+            if not spec.starts_stream and size != shard.total:
+                if size == 1:
+                    return t  # broadcast over tokens
+                if spec.expand is None:
+                    raise RuntimeError(f"context parallel: {what} has {size} entries along dim {spec.dim} but "
+                                       f"stream '{spec.stream}' has {shard.total} tokens")
+                t_full = spec.expand(t, shard.total)
+            else:
+                t_full = t
+            out = take_chunk(t_full, spec.dim, shard)
+            if spec.starts_stream:
+                return out
+        self._memo[id(t)] = (t, out)  # side inputs recur at every block: cut them once
         return out
 
     def gather(self, t: torch.Tensor, spec: Gather) -> torch.Tensor:
-        if self.shard is None:
+        group = self.sp_group
+        if spec.segments:
+            shards = [self._stream(s, "gather") for s in spec.segments]
+            locals_ = torch.split(t, [s.chunk for s in shards], dim=spec.dim)
+            return torch.cat([gather_chunks(part, spec.dim, s, group) for part, s in zip(locals_, shards)],
+                             dim=spec.dim)
+        shard = self.streams.get(spec.stream)
+        if shard is None:
             return t
-        return gather_chunks(t, spec.dim, self.shard, self.group)
+        return gather_chunks(t, spec.dim, shard, group)
+
+    # ------------------------------------------------------------ attention
+    def layout(self, streams: tuple[str, ...]) -> JointLayout:
+        layout = self._layouts.get(streams)
+        if layout is None:
+            shards = [self._stream(s, "attention") for s in streams]
+            chunk = sum(s.chunk for s in shards)
+            valid = []
+            for r in range(self.parts):
+                if all(SeqShard(s.total, s.parts, r).valid == s.chunk for s in shards):
+                    valid.append(None)
+                    continue
+                idx, offset = [], 0
+                for s in shards:
+                    idx.append(torch.arange(SeqShard(s.total, s.parts, r).valid) + offset)
+                    offset += s.chunk
+                valid.append(torch.cat(idx))
+            layout = JointLayout(chunk, tuple(valid))
+            self._layouts[streams] = layout
+        return layout
 
     def attention_override(self, previous):
         def override(func, *args, **kwargs):
             attend = func if previous is None else functools.partial(previous, func)
-            if self.cp_depth > 0 and self.shard is not None and self.parts > 1 and self.distributed_attention:
-                return ulysses_attention(attend, args, kwargs, group=self.group, shard=self.shard)
+            if self.cp_sites and self.parts > 1 and self.distributed_attention:
+                return context_parallel_attention(attend, args, kwargs, sp=self.sp,
+                                                  layout=self.layout(self.cp_sites[-1]))
             return attend(*args, **kwargs)
         return override
 
@@ -173,15 +237,15 @@ def _gather_hook(ctx: ForwardContext, spec: Gather):
     return hook
 
 
-def _enter_site(ctx: ForwardContext):
+def _enter_site(ctx: ForwardContext, streams: tuple[str, ...]):
     def hook(module, args):
-        ctx.cp_depth += 1
+        ctx.cp_sites.append(streams)
     return hook
 
 
 def _leave_site(ctx: ForwardContext):
     def hook(module, args, output):
-        ctx.cp_depth -= 1
+        ctx.cp_sites.pop()
     return hook
 
 
@@ -195,15 +259,12 @@ _MATCHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, list]]" = weakre
 
 
 def matching_modules(root: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
-    """Submodules whose qualified name matches the glob ``pattern`` (cached per root:
-    walking a 40-block model on every forward would cost milliseconds)."""
+    """Submodules whose qualified name matches ``pattern`` (cached per root: walking a
+    40-block model on every forward would cost milliseconds)."""
     per_root = _MATCHES.setdefault(root, {})
     found = per_root.get(pattern)
     if found is None:
-        if pattern == "":
-            found = [("", root)]
-        else:
-            found = [(name, mod) for name, mod in root.named_modules() if name and path_matches(name, pattern)]
+        found = [(name, mod) for name, mod in root.named_modules() if name and path_matches(name, pattern)]
         per_root[pattern] = found
     return found
 
@@ -219,24 +280,26 @@ def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
 
 
 @contextlib.contextmanager
-def context_parallel(root: torch.nn.Module, plan: ModelPlan, transformer_options: dict, *, group, parts: int,
-                     index: int, distributed_attention: bool = True):
+def context_parallel(root: torch.nn.Module, plan: ModelPlan, transformer_options: dict, *,
+                     sp: SequenceParallel, sp_group, distributed_attention: bool = True):
     """Apply ``plan`` to one forward of ``root``: split, context-parallel attention, gather.
 
     ``distributed_attention=False`` is a diagnostic: attention then sees only the local
     tokens, which is what a silently broken implementation computes; tests use it to
-    prove the real path communicates."""
-    ctx = ForwardContext(group, parts, index, distributed_attention)
+    prove that the real path communicates."""
+    ctx = ForwardContext(sp, sp_group, distributed_attention)
+    if ctx.parts == 1:
+        yield ctx
+        return
     cp = plan.context_parallel
     handles = []
     try:
         for pattern, splits in cp.inputs.items():
             for name, mod in matching_modules(root, pattern):
-                handles.append(mod.register_forward_pre_hook(_split_hook(ctx, splits, name or "model"),
-                                                             with_kwargs=True))
-        for pattern in cp.attention:
+                handles.append(mod.register_forward_pre_hook(_split_hook(ctx, splits, name), with_kwargs=True))
+        for pattern, streams in cp.attention.items():
             for _, mod in matching_modules(root, pattern):
-                handles.append(mod.register_forward_pre_hook(_enter_site(ctx)))
+                handles.append(mod.register_forward_pre_hook(_enter_site(ctx, streams)))
                 handles.append(mod.register_forward_hook(_leave_site(ctx)))
         for pattern, spec in cp.outputs.items():
             for _, mod in matching_modules(root, pattern):

@@ -33,12 +33,12 @@ PLAN = ModelPlan(
     heads_attr="num_heads",
     context_parallel=ContextParallelPlan(
         inputs={
-            "blocks.0": (Split("x", dim=1, starts_sequence=True),),
+            "blocks.0": (Split("x", dim=1, starts_stream=True),),
             "blocks.*": (Split("freqs", dim=1), Split("e", dim=1, expand=expand_like_repeat_e)),
             "head": (Split("e", dim=1, expand=expand_like_repeat_e),),
         },
         outputs={"head": Gather(dim=1)},
-        attention=("blocks.*.self_attn",),
+        attention={"blocks.*.self_attn": ("x",)},
     ),
     notes="T2V, I2V and the 5B TI2V; VACE and the other Wan variants are separate classes, not covered yet.",
 )

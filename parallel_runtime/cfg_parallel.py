@@ -1,0 +1,84 @@
+"""The cfg dimension: conditional and unconditional passes on different rank groups.
+
+ComfyUI batches cond and uncond into one forward (``transformer_options
+["cond_or_uncond"]`` says which chunk is which). Each cfg group takes its share
+of that batch: every input whose first dimension is the batch is cut the same
+way, and the outputs are gathered back along the batch. A batch that does not
+divide by the cfg size (CFG 1, or ComfyUI running cond and uncond separately to
+save memory) is computed whole by every group: still exact, just not faster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .sequence import _all_gather
+
+# Per-sample entries of transformer_options (lists of one item per cond chunk, or one value per row).
+PER_CHUNK_OPTIONS = ("cond_or_uncond", "uuids")
+PER_ROW_OPTIONS = ("sigmas",)
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    size: int       # full batch
+    parts: int      # cfg groups sharing it (1: not split)
+    index: int
+
+    @property
+    def rows(self) -> slice:
+        n = self.size // self.parts
+        return slice(self.index * n, (self.index + 1) * n)
+
+
+def plan_split(batch: int, cfg_size: int, cfg_rank: int) -> BatchSplit:
+    if cfg_size > 1 and batch % cfg_size == 0:
+        return BatchSplit(batch, cfg_size, cfg_rank)
+    return BatchSplit(batch, 1, 0)
+
+
+def _cut(value, split: BatchSplit):
+    if isinstance(value, torch.Tensor):
+        return value[split.rows] if value.ndim and value.shape[0] == split.size else value
+    if isinstance(value, list):
+        return [_cut(v, split) for v in value]
+    if isinstance(value, tuple):
+        items = [_cut(v, split) for v in value]
+        return tuple(items) if type(value) is tuple else type(value)(*items)
+    if isinstance(value, dict):
+        return {k: _cut(v, split) for k, v in value.items()}
+    return value
+
+
+def split_arguments(arguments: dict, split: BatchSplit, options_name: str = "transformer_options") -> dict:
+    """This group's share of a forward's bound arguments (transformer_options copied, not changed)."""
+    if split.parts == 1:
+        return arguments
+    out = {}
+    for name, value in arguments.items():
+        if name == options_name and isinstance(value, dict):
+            options = dict(value)
+            for key in PER_ROW_OPTIONS:
+                if isinstance(options.get(key), torch.Tensor):
+                    options[key] = _cut(options[key], split)
+            for key in PER_CHUNK_OPTIONS:
+                entries = options.get(key)
+                if isinstance(entries, list) and entries and len(entries) % split.parts == 0:
+                    n = len(entries) // split.parts
+                    options[key] = entries[split.index * n:(split.index + 1) * n]
+            out[name] = options
+        else:
+            out[name] = _cut(value, split)
+    return out
+
+
+def gather_output(out, split: BatchSplit, group):
+    if split.parts == 1:
+        return out
+    if not isinstance(out, torch.Tensor):
+        raise RuntimeError(f"cfg parallel: the model returned a {type(out).__name__}, not a tensor")
+    full = out.new_empty((split.size, *out.shape[1:]))
+    _all_gather(full, out.contiguous(), group=group)
+    return full

@@ -1,0 +1,40 @@
+"""One sharded forward on one rank: the same code on rank 0 and on every worker.
+
+The cfg dimension takes its share of the batch; within the cfg group the plan
+splits the token streams over the sequence-parallel (ring x ulysses) ranks.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from . import cfg_parallel
+from .attention import SequenceParallel
+from .mesh import ProcessMesh
+from .plans import ModelPlan, context_parallel
+
+
+def sequence_parallel(mesh: ProcessMesh) -> SequenceParallel:
+    return SequenceParallel(
+        ulysses_group=mesh.group("ulysses"), ulysses_size=mesh.size("ulysses"),
+        ulysses_rank=mesh.local_rank("ulysses"),
+        ring_group=mesh.group("ring"), ring_size=mesh.size("ring"), ring_rank=mesh.local_rank("ring"))
+
+
+def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
+                args: tuple, kwargs: dict, *, distributed_attention: bool = True):
+    """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has)."""
+    bound = inspect.signature(signature_of).bind(*args, **kwargs)
+    first = next(iter(bound.arguments.values()))
+    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
+    split = cfg_parallel.plan_split(batch, mesh.size("cfg"), mesh.local_rank("cfg"))
+    bound.arguments.update(cfg_parallel.split_arguments(dict(bound.arguments), split))
+    options = bound.arguments.get("transformer_options")
+    if options is None:
+        options = {}
+        bound.arguments["transformer_options"] = options
+    with context_parallel(module, plan, options, sp=sequence_parallel(mesh), sp_group=mesh.group("sp"),
+                          distributed_attention=distributed_attention):
+        out = call(*bound.args, **bound.kwargs)
+    return cfg_parallel.gather_output(out, split, mesh.group("cfg"))
