@@ -180,9 +180,11 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
     """Attention of the joint chunks of all sequence-parallel ranks; returns this rank's chunk."""
     q, k, v = args[:3]
     heads = _heads_of(args, kwargs)
-    if kwargs.get("mask") is not None:
-        raise RuntimeError("context parallel: attention masks at context-parallel sites are not supported; "
-                           "the model plan must remove the padding the mask stands for")
+    mask = kwargs.get("mask", args[4] if len(args) > 4 else None)
+    if mask is not None:
+        raise RuntimeError("context parallel: this model passed an attention mask to a context-parallel "
+                           "attention (for example a padded prompt batch or a style model's attention mask); "
+                           "masks there are not supported yet")
     head_layout = bool(kwargs.get("skip_reshape", False))
     U, R = sp.ulysses_size, sp.ring_size
     if heads % U:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import arguments
 from .sequence import _all_gather
 
 # Per-sample entries of transformer_options (lists of one item per cond chunk, or one value per row).
@@ -52,26 +53,29 @@ def _cut(value, split: BatchSplit):
     return value
 
 
-def split_arguments(arguments: dict, split: BatchSplit, options_name: str = "transformer_options") -> dict:
-    """This group's share of a forward's bound arguments (transformer_options copied, not changed)."""
+def split_bound(bound, split: BatchSplit) -> None:
+    """Replace a forward's bound arguments by this group's share (transformer_options copied, not changed)."""
     if split.parts == 1:
-        return arguments
-    out = {}
-    for name, value in arguments.items():
-        if name == options_name and isinstance(value, dict):
-            options = dict(value)
-            for key in PER_ROW_OPTIONS:
-                if isinstance(options.get(key), torch.Tensor):
-                    options[key] = _cut(options[key], split)
-            for key in PER_CHUNK_OPTIONS:
-                entries = options.get(key)
-                if isinstance(entries, list) and entries and len(entries) % split.parts == 0:
-                    n = len(entries) // split.parts
-                    options[key] = entries[split.index * n:(split.index + 1) * n]
-            out[name] = options
-        else:
-            out[name] = _cut(value, split)
-    return out
+        return
+    options = arguments.get_options(bound)
+    place = arguments.holder(bound)
+    place[arguments.OPTIONS] = None  # keep the schedule and friends out of the generic cut below
+    for name, value in list(bound.arguments.items()):
+        bound.arguments[name] = _cut(value, split)
+    arguments.set_options(bound, _split_options(options, split))
+
+
+def _split_options(options: dict, split: BatchSplit) -> dict:
+    options = dict(options)
+    for key in PER_ROW_OPTIONS:
+        if isinstance(options.get(key), torch.Tensor):
+            options[key] = _cut(options[key], split)
+    for key in PER_CHUNK_OPTIONS:
+        entries = options.get(key)
+        if isinstance(entries, list) and entries and len(entries) % split.parts == 0:
+            n = len(entries) // split.parts
+            options[key] = entries[split.index * n:(split.index + 1) * n]
+    return options
 
 
 def gather_output(out, split: BatchSplit, group):

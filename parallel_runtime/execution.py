@@ -29,12 +29,8 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
     first = next(iter(bound.arguments.values()))
     batch = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
     split = cfg_parallel.plan_split(batch, mesh.size("cfg"), mesh.local_rank("cfg"))
-    bound.arguments.update(cfg_parallel.split_arguments(dict(bound.arguments), split))
-    options = bound.arguments.get("transformer_options")
-    if options is None:
-        options = {}
-        bound.arguments["transformer_options"] = options
-    with context_parallel(module, plan, options, sp=sequence_parallel(mesh), sp_group=mesh.group("sp"),
+    cfg_parallel.split_bound(bound, split)
+    with context_parallel(module, plan, bound, sp=sequence_parallel(mesh), sp_group=mesh.group("sp"),
                           distributed_attention=distributed_attention):
         out = call(*bound.args, **bound.kwargs)
     return cfg_parallel.gather_output(out, split, mesh.group("cfg"))

@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import protocol, transport
+from . import arguments, protocol, transport
 from .config import ParallelConfig
 from .mesh import MeshLayout, ProcessMesh
 from .execution import run_sharded
-from .plans import ModelPlan, check_plan_matches
+from .plans import ModelPlan, check_plan_matches, check_supported_arguments
 
 log = logging.getLogger("parallel")
 
@@ -333,12 +333,10 @@ class World:
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
         method_name = _method_name(method)
         bound = inspect.signature(getattr(module, method_name)).bind(*args, **kwargs)
-        options = bound.arguments.get("transformer_options")
-        if options is None:
-            options = {}
-            bound.arguments["transformer_options"] = options
+        check_supported_arguments(plan, bound)
+        options = arguments.get_options(bound)
         worker_bound = inspect.signature(getattr(module, method_name)).bind(*bound.args, **bound.kwargs)
-        worker_bound.arguments["transformer_options"] = protocol.worker_transformer_options(options)
+        arguments.set_options(worker_bound, protocol.worker_transformer_options(options))
         tensors: list = []
         spec = protocol.flatten((worker_bound.args, worker_bound.kwargs), tensors)
         meta = protocol.tensor_meta(tensors)

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import torch
 
+import comfy.ops
+
 from tiny_models import TinyWan, build_wan_model
+
+OPS = comfy.ops.disable_weight_init
 
 CASES = {}
 
@@ -22,6 +26,29 @@ def case(name):
 
 def randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def seeded(model, seed=0, scale=0.05):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return model.eval()
+
+
+def flux1(**extra):
+    from comfy.ldm.flux.model import Flux
+
+    return seeded(Flux(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
+                       hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2,
+                       axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True,
+                       dtype=torch.float32, device="cpu", operations=OPS, **extra), seed=20)
+
+
+def flux_control(tokens, hidden=256, double=2, single=2, seed=30):
+    """ControlNet residuals as ComfyUI's control_merge returns them: one per block, main image tokens."""
+    return {"input": [randn(2, tokens, hidden, seed=seed + i) * 0.1 for i in range(double)],
+            "output": [randn(2, tokens, hidden, seed=seed + 10 + i) * 0.1 for i in range(single)], "middle": []}
 
 
 @case("wan21_t2v")
@@ -45,3 +72,142 @@ def wan_per_frame():
     x = randn(2, 16, 3, 6, 10, seed=9)  # 45 tokens
     t = torch.rand(2, 3, generator=torch.Generator().manual_seed(10)) * 1000
     return model, (x, t, randn(2, 5, 64, seed=11)), {}
+
+
+@case("wan_vace")
+def wan_vace():
+    from comfy.ldm.wan.model import VaceWanModel
+
+    model = seeded(VaceWanModel(dim=256, ffn_dim=512, num_heads=2, num_layers=2, text_dim=64, vace_layers=1,
+                                vace_in_dim=32, operations=OPS), seed=12)
+    x = randn(2, 16, 3, 6, 10, seed=13)  # 45 tokens
+    kwargs = {"vace_context": randn(2, 2, 32, 3, 6, 10, seed=14), "vace_strength": [1.0, 0.5]}
+    return model, (x, torch.tensor([600.0, 200.0]), randn(2, 5, 64, seed=15)), kwargs
+
+
+@case("flux1")
+def flux1_plain():
+    x = randn(2, 16, 10, 14, seed=21)  # 5 x 7 = 35 image + 7 text tokens
+    return flux1(), (x, torch.tensor([0.7, 0.3]), randn(2, 7, 64, seed=22)), \
+        {"y": randn(2, 32, seed=23), "guidance": torch.tensor([3.5, 3.5])}
+
+
+@case("flux1_kontext_controlnet")
+def flux1_kontext():
+    """A Kontext reference appended after the image, and ControlNet residuals over the main image only."""
+    x = randn(2, 16, 10, 14, seed=24)
+    kwargs = {"y": randn(2, 32, seed=25), "guidance": torch.tensor([2.5, 2.5]),
+              "ref_latents": [randn(2, 16, 6, 6, seed=26)], "control": flux_control(35)}
+    return flux1(), (x, torch.tensor([0.6, 0.4]), randn(2, 9, 64, seed=27)), kwargs
+
+
+@case("flux2")
+def flux2():
+    from comfy.ldm.flux.model import Flux
+
+    model = seeded(Flux(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
+                        hidden_size=256, mlp_ratio=3.0, num_heads=2, depth=1, depth_single_blocks=2,
+                        axes_dim=[32, 32, 32, 32], theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True,
+                        global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
+                        ref_index_scale=10.0, dtype=torch.float32, device="cpu", operations=OPS), seed=40)
+    x = randn(2, 128, 5, 7, seed=41)  # 35 tokens, plus a 3 x 3 reference
+    kwargs = {"guidance": torch.tensor([4.0, 4.0]), "ref_latents": [randn(2, 128, 3, 3, seed=42)]}
+    return model, (x, torch.tensor([0.8, 0.2]), randn(2, 11, 64, seed=43)), kwargs
+
+
+@case("chroma_controlnet")
+def chroma():
+    from comfy.ldm.chroma.model import Chroma
+
+    model = seeded(Chroma(image_model="chroma", in_channels=64, out_channels=64, context_in_dim=64, hidden_size=256,
+                          mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=[16, 56, 56],
+                          theta=10000, patch_size=2, qkv_bias=True, in_dim=64, out_dim=256, hidden_dim=128,
+                          n_layers=2, dtype=torch.float32, device="cpu", operations=OPS), seed=50)
+    x = randn(2, 16, 10, 14, seed=51)
+    return model, (x, torch.tensor([0.5, 0.9]), randn(2, 7, 64, seed=52), torch.zeros(2)), \
+        {"control": flux_control(35, seed=53)}
+
+
+def qwen_model():
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    return seeded(QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
+                                              attention_head_dim=128, num_attention_heads=2, joint_attention_dim=64,
+                                              axes_dims_rope=(16, 56, 56), dtype=torch.float32, operations=OPS),
+                  seed=60)
+
+
+@case("qwen_image_controlnet")
+def qwen_image():
+    x = randn(2, 16, 1, 10, 14, seed=61)  # 35 image tokens
+    control = {"input": [randn(2, 35, 256, seed=62) * 0.1, randn(2, 35, 256, seed=63) * 0.1]}
+    return qwen_model(), (x, torch.tensor([0.5, 0.25]), randn(2, 7, 64, seed=64)), {"control": control}
+
+
+@case("qwen_image_edit")
+def qwen_image_edit():
+    x = randn(2, 16, 1, 10, 14, seed=65)
+    kwargs = {"ref_latents": [randn(2, 16, 1, 8, 6, seed=66)], "ref_latents_method": "index"}
+    return qwen_model(), (x, torch.tensor([0.5, 0.75]), randn(2, 9, 64, seed=67)), kwargs
+
+
+@case("lumina2")
+def lumina2():
+    from comfy.ldm.lumina.model import NextDiT
+
+    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=4,
+                           n_kv_heads=2, qk_norm=True, cap_feat_dim=64, axes_dims=[16, 24, 24],
+                           axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0,
+                           dtype=torch.float32, operations=OPS), seed=70)
+    x = randn(2, 16, 10, 14, seed=71)  # 35 image + 7 caption tokens
+    return model, (x, torch.tensor([0.3, 0.6]), randn(2, 7, 64, seed=72), 7), {}
+
+
+@case("z_image")
+def z_image():
+    from comfy.ldm.lumina.model import NextDiT
+
+    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=2,
+                           n_kv_heads=2, qk_norm=True, cap_feat_dim=64, axes_dims=[32, 48, 48],
+                           axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
+                           z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32,
+                           dtype=torch.float32, operations=OPS), seed=73)
+    x = randn(2, 16, 10, 14, seed=74)
+    return model, (x, torch.tensor([0.4, 0.8]), randn(2, 7, 64, seed=75), 7), {}
+
+
+@case("hunyuan_video")
+def hunyuan_video():
+    from comfy.ldm.hunyuan_video.model import HunyuanVideo
+
+    model = seeded(HunyuanVideo(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768,
+                                context_in_dim=64, hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=1,
+                                depth_single_blocks=2, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2],
+                                qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
+                                use_cond_type_embedding=False, vision_in_dim=None, dtype=torch.float32,
+                                device="cpu", operations=OPS), seed=80)
+    x = randn(2, 16, 3, 6, 10, seed=81)  # 3 x 3 x 5 = 45 video tokens, 10 text tokens
+    kwargs = {"y": randn(2, 768, seed=82), "guidance": torch.tensor([6.0, 6.0])}
+    return model, (x, torch.tensor([500.0, 900.0]), randn(2, 10, 64, seed=83)), kwargs
+
+
+def ltxv_model():
+    from comfy.ldm.lightricks.model import LTXVModel
+
+    return seeded(LTXVModel(in_channels=128, cross_attention_dim=256, attention_head_dim=128, num_attention_heads=2,
+                            caption_channels=64, num_layers=2, dtype=torch.float32, device="cpu", operations=OPS),
+                  seed=90)
+
+
+@case("ltxv")
+def ltxv():
+    x = randn(2, 128, 3, 5, 7, seed=91)  # 105 tokens
+    return ltxv_model(), (x, torch.tensor([0.5, 0.7]), randn(2, 12, 64, seed=92), None), {"frame_rate": 25}
+
+
+@case("ltxv_per_token_timestep")
+def ltxv_per_token():
+    """With a denoise mask (image-to-video, keyframes) LTXV gets one timestep per token."""
+    x = randn(2, 128, 3, 5, 7, seed=93)
+    t = torch.rand(2, 105, 1, generator=torch.Generator().manual_seed(94))
+    return ltxv_model(), (x, t, randn(2, 12, 64, seed=95), None), {"frame_rate": 25}

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from . import wan
-from .base import ModelPlan, check_plan_matches, context_parallel
+from . import flux, hunyuan_video, ltxv, lumina, qwen_image, wan
+from .base import ModelPlan, check_plan_matches, check_supported_arguments, context_parallel
 
-PLANS: tuple[ModelPlan, ...] = (wan.PLAN,)
+PLANS: tuple[ModelPlan, ...] = (
+    flux.FLUX, flux.CHROMA, wan.PLAN, wan.VACE, qwen_image.PLAN, hunyuan_video.PLAN, ltxv.PLAN,
+    lumina.PLAN,
+)
 _BY_FAMILY = {plan.family: plan for plan in PLANS}
 
 
@@ -33,4 +36,4 @@ def supported_models_text() -> str:
     return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})" for plan in PLANS)
 
 
-__all__ = ["PLANS", "ModelPlan", "check_plan_matches", "context_parallel", "find_plan", "plan_for_family", "supported_models_text"]
+__all__ = ["PLANS", "ModelPlan", "check_plan_matches", "check_supported_arguments", "context_parallel", "find_plan", "plan_for_family", "supported_models_text"]

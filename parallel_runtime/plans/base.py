@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from .. import arguments
 from ..attention import JointLayout, SequenceParallel, context_parallel_attention
 from ..sequence import SeqShard, gather_chunks, take_chunk
 
@@ -46,7 +47,11 @@ class Split:
     ``dim`` equals the stream's token count, passed unchanged when it is 1
     (broadcast), and first expanded with ``expand(t, total)`` when the model itself
     would expand it per token. ``segments``: the input covers these streams back to
-    back along ``dim`` (each part is cut by its own stream).
+    back along ``dim`` (each part is cut by its own stream). ``when_full_length``: pass
+    the input through when it is not full length (it was cut already, e.g. a stream
+    a block returns). ``prefix``: the input covers the first N <= total tokens of the
+    stream (ControlNet residuals cover the main image, not reference tokens after
+    it); each rank gets the part inside its chunk, unpadded when N < total.
     """
 
     arg: str
@@ -55,6 +60,8 @@ class Split:
     starts_stream: bool = False
     segments: tuple[str, ...] | None = None
     expand: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    when_full_length: bool = False
+    prefix: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,11 @@ class ContextParallelPlan:
     inputs: dict[str, tuple[Split, ...]]
     outputs: dict[str, Gather]
     attention: dict[str, tuple[str, ...]]  # module pattern -> streams in the order the model joins them
+    # Arguments of the model's forward cut once their stream exists (tensors nested in
+    # dicts and lists too, e.g. ControlNet residuals); the model reads them later.
+    call_inputs: tuple[Split, ...] = ()
+    # Arguments this plan cannot shard yet: forward argument -> why. Refused before any work.
+    unsupported: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,7 @@ class ForwardContext:
         self.cp_sites: list[tuple[str, ...]] = []  # stack of the attention sites being executed
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._layouts: dict[tuple[str, ...], JointLayout] = {}
+        self._pending: list[tuple[object, Split]] = []  # (container, spec) waiting for their stream
 
     # ------------------------------------------------------------ streams
     def start_stream(self, name: str, total: int) -> SeqShard:
@@ -114,7 +127,14 @@ class ForwardContext:
                                f"{known.total}); the model plan does not cover this input")
         shard = SeqShard(total, self.parts, self.index)
         self.streams[name] = shard
+        waiting = [(c, spec) for c, spec in self._pending if spec.stream == name]
+        self._pending = [(c, spec) for c, spec in self._pending if spec.stream != name]
+        for container, spec in waiting:
+            _cut_nested(container, lambda t, spec=spec: self.split(t, spec, f"argument '{spec.arg}'"))
         return shard
+
+    def defer(self, container, spec: "Split") -> None:
+        self._pending.append((container, spec))
 
     def _stream(self, name: str, what: str) -> SeqShard:
         shard = self.streams.get(name)
@@ -144,7 +164,12 @@ class ForwardContext:
             else:
                 shard = self._stream(spec.stream, what)
             size = t.shape[spec.dim]
+            if spec.prefix and size < shard.total:
+                start, stop = min(shard.start, size), min(shard.stop, size)
+                return t.narrow(spec.dim, start, stop - start)
             if not spec.starts_stream and size != shard.total:
+                if spec.when_full_length:
+                    return t
                 if size == 1:
                     return t  # broadcast over tokens
                 if spec.expand is None:
@@ -201,6 +226,37 @@ class ForwardContext:
         return override
 
 
+def _cut_nested(container, cut) -> None:
+    """Replace, in place, every tensor inside a dict/list container by ``cut(tensor)``."""
+    items = container.items() if isinstance(container, dict) else enumerate(container)
+    for key, value in list(items):
+        if isinstance(value, torch.Tensor):
+            container[key] = cut(value)
+        elif isinstance(value, (dict, list)):
+            _cut_nested(value, cut)
+        elif isinstance(value, tuple):
+            as_list = list(value)
+            _cut_nested(as_list, cut)
+            container[key] = tuple(as_list)
+
+
+def _copy_nested(value):
+    """Copy the dict/list structure (not the tensors), so cutting never touches the caller's objects."""
+    if isinstance(value, dict):
+        return {k: _copy_nested(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy_nested(v) for v in value] if isinstance(value, list) else tuple(_copy_nested(v) for v in value)
+    return value
+
+
+def check_supported_arguments(plan: "ModelPlan", bound) -> None:
+    """Refuse inputs the plan cannot shard, naming them, before any rank starts work."""
+    for name, why in plan.context_parallel.unsupported.items():
+        place, key = arguments.find(bound, name)
+        if place is not None and place[key] is not None:
+            raise RuntimeError(f"{plan.title}: '{name}' is not supported with context parallelism yet ({why})")
+
+
 _POSITIONS: "weakref.WeakKeyDictionary[type, dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
@@ -255,6 +311,20 @@ def path_matches(name: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
 
 
+def _resolve_last(root: torch.nn.Module, pattern: str) -> str:
+    """``single_blocks.-1`` names the last block, whatever the depth of this model."""
+    if ".-1" not in pattern and not pattern.startswith("-1"):
+        return pattern
+    resolved, module = [], root
+    for part in pattern.split("."):
+        if part == "-1" and module is not None:
+            children = [name for name, _ in module.named_children()]
+            part = children[-1] if children else part
+        resolved.append(part)
+        module = getattr(module, part, None) if module is not None and not any(c in part for c in "*?[") else None
+    return ".".join(resolved)
+
+
 _MATCHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, list]]" = weakref.WeakKeyDictionary()
 
 
@@ -264,7 +334,8 @@ def matching_modules(root: torch.nn.Module, pattern: str) -> list[tuple[str, tor
     per_root = _MATCHES.setdefault(root, {})
     found = per_root.get(pattern)
     if found is None:
-        found = [(name, mod) for name, mod in root.named_modules() if name and path_matches(name, pattern)]
+        target = _resolve_last(root, pattern)
+        found = [(name, mod) for name, mod in root.named_modules() if name and path_matches(name, target)]
         per_root[pattern] = found
     return found
 
@@ -280,7 +351,7 @@ def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
 
 
 @contextlib.contextmanager
-def context_parallel(root: torch.nn.Module, plan: ModelPlan, transformer_options: dict, *,
+def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
                      sp: SequenceParallel, sp_group, distributed_attention: bool = True):
     """Apply ``plan`` to one forward of ``root``: split, context-parallel attention, gather.
 
@@ -292,6 +363,16 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, transformer_options
         yield ctx
         return
     cp = plan.context_parallel
+    transformer_options = arguments.get_options(bound)
+    for spec in cp.call_inputs:
+        place, key = arguments.find(bound, spec.arg)
+        value = place[key] if place is not None else None
+        if isinstance(value, (dict, list, tuple)):
+            place[key] = copied = _copy_nested(value)
+            ctx.defer(copied, spec)
+        elif value is not None:
+            raise RuntimeError(f"{plan.title} plan: call input '{spec.arg}' is a {type(value).__name__}, "
+                               "not a dict or list of tensors")
     handles = []
     try:
         for pattern, splits in cp.inputs.items():

@@ -1,0 +1,39 @@
+"""HunyuanVideo (1.0, I2V, 1.5) and HunyuanImage 2.1 (``comfy.ldm.hunyuan_video.model.HunyuanVideo``).
+
+- The text first goes through the token refiner (attention over text only): it
+  stays whole on every rank. Streams ``img`` and ``txt`` are cut where they enter
+  ``double_blocks.0``; ``pe`` covers ``[img, txt]`` on dim 2.
+- Attention is joint over ``[img, txt]`` (image first) in both block kinds.
+- After the single blocks the model slices the image out with the *global* image
+  length, so the joint sequence is gathered at the last single block.
+- Not yet: ControlNet residuals (added with the global image length inside the
+  single-block loop) and the I2V "guiding frame" modulation (absolute token ranges).
+"""
+from __future__ import annotations
+
+from .base import ContextParallelPlan, Gather, ModelPlan, Split
+
+JOINT = ("img", "txt")
+ROPE = Split("pe", dim=2, segments=JOINT)
+
+PLAN = ModelPlan(
+    family="hunyuan_video",
+    title="HunyuanVideo",
+    classes=("comfy.ldm.hunyuan_video.model.HunyuanVideo",),
+    heads_attr="num_heads",
+    context_parallel=ContextParallelPlan(
+        inputs={
+            "double_blocks.0": (Split("img", dim=1, stream="img", starts_stream=True),
+                                Split("txt", dim=1, stream="txt", starts_stream=True)),
+            "double_blocks.*": (ROPE,),
+            "single_blocks.*": (ROPE,),
+        },
+        outputs={"single_blocks.-1": Gather(dim=1, segments=JOINT)},
+        attention={"double_blocks.*": JOINT, "single_blocks.*": JOINT},
+        unsupported={
+            "control": "ControlNet residuals are added with the global image length inside the single blocks",
+            "guiding_frame_index": "the I2V guiding-frame modulation addresses absolute token ranges",
+        },
+    ),
+    notes="Also HunyuanVideo 1.5 and HunyuanImage 2.1; not ControlNet or the I2V guiding frame.",
+)

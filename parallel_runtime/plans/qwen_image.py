@@ -1,0 +1,34 @@
+"""Qwen-Image and Qwen-Image-Edit (``QwenImageTransformer2DModel``).
+
+- Streams ``txt`` (``encoder_hidden_states``) and ``img`` (``hidden_states``: the
+  image, then Edit reference tokens), cut where they enter ``transformer_blocks.0``;
+  blocks return ``(txt, img)`` chunks.
+- ``image_rotary_emb`` covers ``[txt, img]`` on dim 2; attention is joint over
+  ``[txt, img]`` with RoPE applied before ComfyUI's attention call.
+- ``norm_out`` and ``proj_out`` are per token; ``proj_out``'s output is gathered
+  before unpatchify, which also drops the reference tokens.
+- ControlNet residuals cover the main image (prefix of ``img``).
+"""
+from __future__ import annotations
+
+from .base import ContextParallelPlan, Gather, ModelPlan, Split
+
+JOINT = ("txt", "img")
+
+PLAN = ModelPlan(
+    family="qwen_image",
+    title="Qwen-Image / Qwen-Image-Edit",
+    classes=("comfy.ldm.qwen_image.model.QwenImageTransformer2DModel",),
+    heads_attr="transformer_blocks.0.attn.heads",
+    context_parallel=ContextParallelPlan(
+        inputs={
+            "transformer_blocks.0": (Split("encoder_hidden_states", dim=1, stream="txt", starts_stream=True),
+                                     Split("hidden_states", dim=1, stream="img", starts_stream=True)),
+            "transformer_blocks.*": (Split("image_rotary_emb", dim=2, segments=JOINT),),
+        },
+        outputs={"proj_out": Gather(dim=1, stream="img")},
+        attention={"transformer_blocks.*": JOINT},
+        call_inputs=(Split("control", dim=1, stream="img", prefix=True),),
+    ),
+    notes="Edit reference images, ControlNet residuals.",
+)
