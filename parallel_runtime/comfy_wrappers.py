@@ -23,6 +23,10 @@ OUTER_SAMPLE = "outer_sample"        # comfy.patcher_extension.WrappersMP names
 DIFFUSION_MODEL = "diffusion_model"
 
 
+APPLY_MODEL = "apply_model"
+TORCH_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
+
+
 class ShardedRun:
     def __init__(self, config: ParallelConfig):
         self.config = config
@@ -30,7 +34,12 @@ class ShardedRun:
     def __call__(self, executor, *args, **kwargs):
         guider = executor.class_obj
         options = getattr(guider, "model_options", {}).get("transformer_options", {})
-        forward_wrappers = options.get("wrappers", {}).get(DIFFUSION_MODEL, {})
+        wrappers = options.get("wrappers", {})
+        if TORCH_COMPILE_KEY in wrappers.get(APPLY_MODEL, {}):
+            raise RuntimeError("Shard Transformer: TorchCompileModel compiles the whole diffusion model, which "
+                               "would trace the communication between ranks; remove TorchCompileModel from this "
+                               "graph (sharded runs are not compiled in this version)")
+        forward_wrappers = wrappers.get(DIFFUSION_MODEL, {})
         if WRAPPER_KEY in forward_wrappers:
             forward_wrappers[WRAPPER_KEY] = forward_wrappers.pop(WRAPPER_KEY)  # last = innermost
         RUNTIME.world_for(self.config)

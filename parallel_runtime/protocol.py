@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 # transformer_options entries that orchestrate sampling on rank 0 and are not
-# part of the computation the workers repeat.
-RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks"})
+# part of the computation the workers repeat: wrappers and callbacks run on rank 0
+# around the sharded forward; "easycache" is the state of ComfyUI's EasyCache and
+# LazyCache, read only by their own wrappers (which run outside ours).
+RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks", "easycache"})
 # Entries that hold callables when another node patches the model: they would
 # change rank 0's computation only, so they are refused when non-empty.
 PATCH_KEYS = ("patches", "patches_replace", "optimized_attention_override")

@@ -191,6 +191,15 @@ def hunyuan_video():
     return model, (x, torch.tensor([500.0, 900.0]), randn(2, 10, 64, seed=83)), kwargs
 
 
+@case("hunyuan_video_ref_latent")
+def hunyuan_video_ref():
+    """A reference latent prepended to the video tokens (removed by the model after the blocks).
+    Batch 1: the stock model cannot build reference ids for a larger batch."""
+    model, (x, t, context), kwargs = CASES["hunyuan_video"]()
+    kwargs = {"y": kwargs["y"][:1], "guidance": kwargs["guidance"][:1], "ref_latent": randn(1, 16, 1, 6, 10, seed=84)}
+    return model, (x[:1], t[:1], context[:1]), kwargs
+
+
 def ltxv_model():
     from comfy.ldm.lightricks.model import LTXVModel
 
@@ -211,3 +220,12 @@ def ltxv_per_token():
     x = randn(2, 128, 3, 5, 7, seed=93)
     t = torch.rand(2, 105, 1, generator=torch.Generator().manual_seed(94))
     return ltxv_model(), (x, t, randn(2, 12, 64, seed=95), None), {"frame_rate": 25}
+
+
+@case("ltxv_keyframe")
+def ltxv_keyframe():
+    """A guide frame appended after the video, its coordinates given by keyframe_idxs."""
+    x = randn(2, 128, 4, 5, 7, seed=96)  # 3 frames + 1 guide frame = 140 tokens
+    idx = torch.randint(0, 64, (2, 3, 35), generator=torch.Generator().manual_seed(97)).float()
+    return ltxv_model(), (x, torch.tensor([0.5, 0.7]), randn(2, 12, 64, seed=98), None), \
+        {"frame_rate": 25, "keyframe_idxs": idx}

@@ -96,12 +96,29 @@ def prompt_embedding(tokens: int = 12, seed: int = 3, text_dim: int = WAN_TEXT_D
     return torch.randn(1, tokens, text_dim, generator=gen)
 
 
-def write_conditioning_dataset(folder: Path, embedding: torch.Tensor) -> None:
+def write_conditioning_dataset(folder: Path, embedding: torch.Tensor, extra: dict | None = None) -> None:
     """One sample in the layout of ComfyUI's SaveTrainingDataset / LoadTrainingDataset."""
     folder.mkdir(parents=True, exist_ok=True)
     latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}  # unused by the workflow, required by the format
-    shard = {"latents": [latent], "conditioning": [[[embedding, {}]]]}
+    shard = {"latents": [latent], "conditioning": [[[embedding, dict(extra or {})]]]}
     torch.save(shard, folder / "shard_0000.pkl")
+
+
+def hunyuan_video_state_dict(seed: int = 6) -> dict[str, torch.Tensor]:
+    """A HunyuanVideo with hidden 256 (2 heads of 128: detection derives heads = hidden // 128),
+    one double and one single block, text width 64, CLIP-L pooled width 768 (``vector_in``)
+    and guidance: the Flux-layer stand-in that UNETLoader detects."""
+    import comfy.ldm.hunyuan_video.model
+    import comfy.ops
+
+    model = comfy.ldm.hunyuan_video.model.HunyuanVideo(
+        image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=64,
+        hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56],
+        theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
+        use_cond_type_embedding=False, vision_in_dim=None, dtype=torch.float32, device="cpu",
+        operations=comfy.ops.disable_weight_init)
+    _seeded_([p for _, p in sorted(model.named_parameters())], seed, scale=0.03)
+    return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
 TINY_FILES = {
@@ -110,6 +127,8 @@ TINY_FILES = {
     "lora_a": "tiny_wan21_lora_a.safetensors",
     "lora_b": "tiny_wan21_lora_b.safetensors",
     "prompt_dataset": "tiny_wan_prompt",
+    "hunyuan_unet": "tiny_hunyuan_video.safetensors",
+    "hunyuan_prompt_dataset": "tiny_hunyuan_prompt",
 }
 
 
@@ -124,6 +143,8 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str,
         "lora_a": base_dir / "models" / "loras" / TINY_FILES["lora_a"],
         "lora_b": base_dir / "models" / "loras" / TINY_FILES["lora_b"],
         "prompt_dataset": base_dir / "output" / TINY_FILES["prompt_dataset"],
+        "hunyuan_unet": base_dir / "models" / "diffusion_models" / TINY_FILES["hunyuan_unet"],
+        "hunyuan_prompt_dataset": base_dir / "output" / TINY_FILES["hunyuan_prompt_dataset"],
     }
     makers = {
         "unet": lambda: wan_state_dict(spec),
@@ -131,6 +152,7 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str,
         "lora_a": lambda: wan_lora_state_dict(spec, seed=2),
         "lora_b": lambda: wan_lora_state_dict(spec, seed=5, targets=[f"blocks.{i}.cross_attn.q"
                                                                      for i in range(spec.num_layers)]),
+        "hunyuan_unet": hunyuan_video_state_dict,
     }
     for name, make in makers.items():
         path = paths[name]
@@ -141,4 +163,8 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str,
             os.replace(tmp, path)
     if not (paths["prompt_dataset"] / "shard_0000.pkl").exists():
         write_conditioning_dataset(paths["prompt_dataset"], prompt_embedding())
+    if not (paths["hunyuan_prompt_dataset"] / "shard_0000.pkl").exists():
+        pooled = torch.randn(1, 768, generator=torch.Generator().manual_seed(8))
+        write_conditioning_dataset(paths["hunyuan_prompt_dataset"], prompt_embedding(tokens=9, seed=7, text_dim=64),
+                                   extra={"pooled_output": pooled})
     return paths

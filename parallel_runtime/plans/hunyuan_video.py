@@ -35,5 +35,5 @@ PLAN = ModelPlan(
             "guiding_frame_index": "the I2V guiding-frame modulation addresses absolute token ranges",
         },
     ),
-    notes="Also HunyuanVideo 1.5 and HunyuanImage 2.1; not ControlNet or the I2V guiding frame.",
+    notes="HunyuanVideo T2V (reference latents too); not ControlNet or the I2V guiding frame.",
 )

@@ -49,7 +49,7 @@ PLAN = ModelPlan(
         outputs=GATHER_HEAD,
         attention=SELF_ATTENTION,
     ),
-    notes="T2V, I2V, FLF, the 5B TI2V (per-frame timesteps), Wan 2.2 14B.",
+    notes="T2V, I2V (CLIP image context), the 5B TI2V (per-frame timesteps), Wan 2.2 14B.",
 )
 
 VACE = ModelPlan(
