@@ -58,8 +58,10 @@ def take_chunk(t: torch.Tensor, dim: int, shard: SeqShard) -> torch.Tensor:
     return pad_along(local, dim, shard.chunk).contiguous()
 
 
-# torch 2.14 renamed all_gather_into_tensor; keep both working.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group=None):
+    """all_gather_single where torch has it (2.14 renamed all_gather_into_tensor)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group)
 
 
 def gather_chunks(local: torch.Tensor, dim: int, shard: SeqShard, group) -> torch.Tensor:

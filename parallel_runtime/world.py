@@ -59,6 +59,31 @@ COLLECTIVE_TIMEOUT_S = _env_seconds("PARALLEL_COLLECTIVE_TIMEOUT_S", 300)
 STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat")
 
 
+def mirrored_comfy_args(device_type: str) -> dict:
+    """ComfyUI's command-line settings, for the workers to start with the same ones (attention
+    backend, precision flags): every rank must compute the same way. Only plain values travel."""
+    out = {}
+    try:
+        import comfy.cli_args
+
+        for key, value in vars(comfy.cli_args.args).items():
+            if value is None or isinstance(value, (bool, int, float, str)):
+                out[key] = value
+    except ImportError:
+        pass
+    out["cpu"] = device_type == "cpu"
+    out.pop("cuda_device", None)  # each worker has its own device
+    return out
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    """CPU ranks share the cores: one share each, unless PARALLEL_CPU_THREADS_PER_RANK says otherwise."""
+    env = os.environ.get("PARALLEL_CPU_THREADS_PER_RANK")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 class WorkerFailure(RuntimeError):
     """A rank failed; the message names the rank and carries its traceback."""
 
@@ -112,9 +137,10 @@ class World:
         self.layout = MeshLayout.from_sizes(config.mesh_sizes)
         self.world_size = config.world_size
         self.comfyui_path = comfyui_path or _guess_comfyui_path()
-        self.comfy_args = comfy_args if comfy_args is not None else {"cpu": config.device_type == "cpu"}
+        self.comfy_args = comfy_args if comfy_args is not None else mirrored_comfy_args(config.device_type)
         self.device = torch.device(config.devices[0])
-        self.threads = max(1, (os.cpu_count() or 1) // self.world_size) if config.device_type == "cpu" else None
+        self.threads = cpu_threads_per_rank(self.world_size) if config.device_type == "cpu" else None
+        self.last_dispatch: dict[str, float] = {}
         self.workers: list[_Worker] = []
         self.mesh: ProcessMesh | None = None
         self.state = "starting"
@@ -331,6 +357,7 @@ class World:
         """
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
+        t0 = time.perf_counter()
         method_name = _method_name(method)
         bound = inspect.signature(getattr(module, method_name)).bind(*args, **kwargs)
         check_supported_arguments(plan, bound)
@@ -340,13 +367,19 @@ class World:
         tensors: list = []
         spec = protocol.flatten((worker_bound.args, worker_bound.kwargs), tensors)
         meta = protocol.tensor_meta(tensors)
+        t_prepared = time.perf_counter()
         # Nothing has reached a worker yet: errors above leave the world usable.
         try:
             key = self._ensure_module(module, plan, epoch)
             started = time.perf_counter()
             for w in self.workers:
                 w.conn.send(("forward", key, method_name, spec, meta, distributed_attention))
+            t_sent = time.perf_counter()
             protocol.broadcast_tensors(tensors, meta, self.device)
+            t_broadcast = time.perf_counter()
+            # What rank 0 spends on dispatch besides the input broadcast (a collective).
+            self.last_dispatch = {"prepare_ms": (t_prepared - t0) * 1e3, "weights_check_ms": (started - t_prepared) * 1e3,
+                                  "send_ms": (t_sent - started) * 1e3, "broadcast_ms": (t_broadcast - t_sent) * 1e3}
             with self._threads():
                 out = run_sharded(module, plan, self.mesh, method, getattr(module, method_name), bound.args,
                                   bound.kwargs, distributed_attention=distributed_attention)

@@ -1,0 +1,155 @@
+"""Benchmark scenarios: model builders and the meshes to run them on.
+
+Models are ComfyUI's own classes with seeded random weights (no downloads). The
+Flux-shaped config follows the measurements in ../shared/DESIGN.md section 7:
+2 double + 4 single blocks, width 512 (8 heads of 64), 4096 image + 256 text tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+def _seeded(model: torch.nn.Module, seed: int, scale: float = 0.02) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class FluxShape:
+    hidden: int = 512
+    heads: int = 8
+    double: int = 2
+    single: int = 4
+    image_side: int = 128   # latent pixels per side; patch 2 -> (side / 2)^2 image tokens
+    text_tokens: int = 256
+    context_dim: int = 512
+    vec_dim: int = 256
+
+    @property
+    def tokens(self) -> int:
+        return (self.image_side // 2) ** 2 + self.text_tokens
+
+    @property
+    def axes_dim(self) -> list[int]:
+        head_dim = self.hidden // self.heads
+        side = (head_dim // 3) // 2 * 2
+        return [head_dim - 2 * side, side, side]
+
+
+def build_flux(shape: FluxShape, seed: int = 0, batch: int = 1, device="cpu"):
+    """A ComfyUI Flux (``comfy.ldm.flux.model.Flux``) and inputs for its ``_forward``."""
+    import comfy.ops
+    from comfy.ldm.flux.model import Flux
+
+    model = Flux(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=shape.vec_dim,
+                 context_in_dim=shape.context_dim, hidden_size=shape.hidden, mlp_ratio=4.0, num_heads=shape.heads,
+                 depth=shape.double, depth_single_blocks=shape.single, axes_dim=shape.axes_dim, theta=10000,
+                 patch_size=2, qkv_bias=True, guidance_embed=True, dtype=torch.float32, device="cpu",
+                 operations=comfy.ops.disable_weight_init)
+    _seeded(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, 16, shape.image_side, shape.image_side, generator=gen)
+    context = torch.randn(batch, shape.text_tokens, shape.context_dim, generator=gen)
+    kwargs = {"y": torch.randn(batch, shape.vec_dim, generator=gen), "guidance": torch.full((batch,), 3.5)}
+    t = torch.linspace(0.3, 0.7, batch)
+    model.to(device)
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return model, (move(x), move(t), move(context)), {k: move(v) for k, v in kwargs.items()}
+
+
+@dataclass(frozen=True)
+class WanShape:
+    dim: int = 512
+    heads: int = 4
+    ffn: int = 1536
+    layers: int = 2
+    frames: int = 5          # latent frames
+    side: int = 64           # latent pixels per side; patch 2 -> (side/2)^2 tokens per frame
+    text_tokens: int = 128
+
+    @property
+    def tokens(self) -> int:
+        return self.frames * (self.side // 2) ** 2
+
+
+def build_wan(shape: WanShape, seed: int = 0, batch: int = 1, device="cpu"):
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    model = comfy.ldm.wan.model.WanModel(model_type="t2v", patch_size=(1, 2, 2), dim=shape.dim, ffn_dim=shape.ffn,
+                                         num_heads=shape.heads, num_layers=shape.layers, in_dim=16, out_dim=16,
+                                         text_dim=256, operations=comfy.ops.disable_weight_init)
+    _seeded(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, 16, shape.frames, shape.side, shape.side, generator=gen)
+    context = torch.randn(batch, shape.text_tokens, 256, generator=gen)
+    t = torch.linspace(300.0, 700.0, batch)
+    model.to(device)
+    return model, (x.to(device), t.to(device), context.to(device)), {}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    family: str
+    mode: str                        # ulysses, ring, usp, cfg, ...
+    mesh: dict[str, int]             # sizes of cfg / ring / ulysses / tp
+    build: Callable                  # (seed, batch, device) -> (model, args, kwargs)
+    tokens: int
+    batch: int = 1
+    repeat: int = 3
+    notes: str = ""
+    suites: tuple[str, ...] = ("quick", "full")
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for v in self.mesh.values():
+            n *= v
+        return n
+
+
+FLUX = FluxShape()
+FLUX_SMOKE = FluxShape(hidden=128, heads=2, double=1, single=1, image_side=16, text_tokens=8, context_dim=64,
+                       vec_dim=32)
+WAN = WanShape()
+
+
+def flux(shape):
+    return lambda seed, batch, device: build_flux(shape, seed, batch, device)
+
+
+def wan(shape):
+    return lambda seed, batch, device: build_wan(shape, seed, batch, device)
+
+
+SCENARIOS = [
+    # The smallest scenario: a valid record in seconds (tests run it).
+    Scenario("smoke_flux_ulysses2", "flux", "ulysses", {"ulysses": 2}, flux(FLUX_SMOKE), FLUX_SMOKE.tokens,
+             repeat=2, suites=("smoke",)),
+    Scenario("flux_ulysses2", "flux", "ulysses", {"ulysses": 2}, flux(FLUX), FLUX.tokens),
+    Scenario("flux_ring2", "flux", "ring", {"ring": 2}, flux(FLUX), FLUX.tokens),
+    Scenario("flux_cfg2", "flux", "cfg", {"cfg": 2}, flux(FLUX), FLUX.tokens, batch=2, suites=("full",),
+             notes="batch 2 = cond + uncond, as ComfyUI batches them"),
+    Scenario("flux_usp2x2", "flux", "usp", {"ring": 2, "ulysses": 2}, flux(FLUX), FLUX.tokens, suites=("full",),
+             notes="4 ranks: on a 2-core machine this oversubscribes the cores; correctness, not speed"),
+    Scenario("wan_ulysses2", "wan", "ulysses", {"ulysses": 2}, wan(WAN), WAN.tokens, suites=("full",)),
+    Scenario("wan_ring2", "wan", "ring", {"ring": 2}, wan(WAN), WAN.tokens, suites=("full",)),
+]
+
+
+def select(suite: str, names: list[str] | None = None) -> list[Scenario]:
+    if names:
+        known = {s.name: s for s in SCENARIOS}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise SystemExit(f"unknown scenarios {missing}; known: {', '.join(known)}")
+        return [known[n] for n in names]
+    return [s for s in SCENARIOS if suite in s.suites]
