@@ -12,6 +12,7 @@ from comfy_api.latest import io
 from ..parallel_runtime.comfy_wrappers import DIFFUSION_MODEL, OUTER_SAMPLE, WRAPPER_KEY, ShardedForward, ShardedRun
 from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import find_plan, supported_models_text
+from ..parallel_runtime.tensor_parallel import valid_sizes
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Transformer"
@@ -29,12 +30,29 @@ def check_model(diffusion_model, config: ParallelConfig):
             raise ConfigError(f"{NODE}: {plan.title} supports {', '.join(plan.supports)} here, not "
                               f"{dim}_size={size}; set {dim}_size to 1")
     heads = plan.heads(diffusion_model)
-    if heads % config.ulysses_size:
-        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+    tp = config.tp_size
+    if tp > 1:
+        valid = valid_sizes(diffusion_model, plan.tensor_parallel, heads)
+        if tp not in valid:
+            sizes = ", ".join(f"{name} {int(_attr(diffusion_model, path))}"
+                              for name, path in plan.tensor_parallel.divisible.items())
+            raise ConfigError(f"{NODE}: tp_size={tp} does not divide this {plan.title} model's {heads} attention "
+                              f"heads and {sizes}; valid tp_size values: {', '.join(map(str, valid))}")
+    local_heads = heads // tp
+    if local_heads % config.ulysses_size:
+        valid = [d for d in range(1, local_heads + 1) if local_heads % d == 0]
+        per_rank = f" ({local_heads} per tensor-parallel rank)" if tp > 1 else ""
         raise ConfigError(f"{NODE}: ulysses_size={config.ulysses_size} does not divide the {heads} attention "
-                          f"heads of this {plan.title} model; valid ulysses_size values: "
+                          f"heads of this {plan.title} model{per_rank}; valid ulysses_size values: "
                           f"{', '.join(map(str, valid))}")
     return plan
+
+
+def _attr(root, path: str):
+    value = root
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
 
 
 class ShardTransformerNode(io.ComfyNode):
@@ -44,9 +62,10 @@ class ShardTransformerNode(io.ComfyNode):
             node_id="ShardTransformer",
             display_name="Shard Transformer",
             category="parallel",
-            description="Runs the diffusion transformer on every rank of the Parallel Config (context "
-                        f"parallelism). Supported: {supported_models_text()}. Works with the stock samplers "
-                        "and LoRA loaders before or after it.",
+            description="Runs the diffusion transformer on every rank of the Parallel Config: context "
+                        "parallelism (Ulysses, Ring, CFG) and tensor parallelism. Supported: "
+                        f"{supported_models_text()}. Works with the stock samplers and LoRA loaders before or "
+                        "after it.",
             inputs=[
                 io.Model.Input("model"),
                 ParallelConfigType.Input("parallel_config"),

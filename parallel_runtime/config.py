@@ -16,7 +16,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 
 # What this version of the runtime can run. Every other size must be 1, and a
 # config asking for more is refused at the node instead of being ignored.
-IMPLEMENTED_DIMS = ("cfg", "ring", "ulysses")
+IMPLEMENTED_DIMS = ("cfg", "ring", "ulysses", "tp")
 
 NODE = "Parallel Config"
 

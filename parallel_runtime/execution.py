@@ -13,6 +13,7 @@ from . import cfg_parallel
 from .attention import SequenceParallel
 from .mesh import ProcessMesh
 from .plans import ModelPlan, context_parallel
+from .tensor_parallel import tensor_parallel
 
 
 def sequence_parallel(mesh: ProcessMesh) -> SequenceParallel:
@@ -30,7 +31,8 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
     batch = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
     split = cfg_parallel.plan_split(batch, mesh.size("cfg"), mesh.local_rank("cfg"))
     cfg_parallel.split_bound(bound, split)
-    with context_parallel(module, plan, bound, sp=sequence_parallel(mesh), sp_group=mesh.group("sp"),
-                          distributed_attention=distributed_attention):
+    with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")), \
+            context_parallel(module, plan, bound, sp=sequence_parallel(mesh), sp_group=mesh.group("sp"),
+                             distributed_attention=distributed_attention):
         out = call(*bound.args, **bound.kwargs)
     return cfg_parallel.gather_output(out, split, mesh.group("cfg"))

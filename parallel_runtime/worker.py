@@ -45,6 +45,8 @@ def main() -> int:
     from multiprocessing.connection import Client
 
     conn = Client(boot["control_address"], family="AF_UNIX", authkey=bytes.fromhex(boot["authkey"]))
+    server = None
+    failure = None
     try:
         conn.send(("hello", rank, os.getpid()))
         server = _Server(boot, conn)
@@ -52,11 +54,17 @@ def main() -> int:
     except (EOFError, ConnectionError):
         return 0  # rank 0 went away
     except BaseException:
+        failure = traceback.format_exc()
+    if failure is not None:
+        # Outside the except block: the traceback's frames (which hold the model) are gone,
+        # so releasing the shared weights really unmaps them.
         try:
-            conn.send(("error", rank, traceback.format_exc()))
+            conn.send(("error", rank, failure))
+            if server is not None:
+                server.release()
         except Exception:
             pass
-        traceback.print_exc()
+        sys.stderr.write(failure)
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(3)  # no clean-up that could block in a collective
@@ -99,13 +107,18 @@ class _Server:
             msg = self.conn.recv()
             kind = msg[0]
             if kind == "shutdown":
-                self.models.clear()  # unmap the shared weights and the status table before exiting
-                self.status_table = None
-                import gc
-
-                gc.collect()
+                self.release()
                 return
             getattr(self, "on_" + kind)(*msg[1:])
+
+    def release(self) -> None:
+        """Unmap the shared weights and the status table, and tell rank 0 so."""
+        import gc
+
+        self.models.clear()
+        self.status_table = None
+        gc.collect()
+        self.conn.send(("released", self.rank))
 
     def on_load(self, key: str, family: str, data: bytes) -> None:
         from parallel_runtime import transport

@@ -15,6 +15,7 @@ collective, and the next run starts fresh workers.
 from __future__ import annotations
 
 import collections
+import gc
 import datetime
 import inspect
 import itertools
@@ -40,6 +41,7 @@ from .config import ParallelConfig
 from .mesh import MeshLayout, ProcessMesh
 from .execution import run_sharded
 from .plans import ModelPlan, check_plan_matches, check_supported_arguments
+from .tensor_parallel import build_shard
 
 log = logging.getLogger("parallel")
 
@@ -56,6 +58,7 @@ def _env_seconds(name: str, default: float) -> float:
 
 STARTUP_TIMEOUT_S = _env_seconds("PARALLEL_STARTUP_TIMEOUT_S", 180)
 COLLECTIVE_TIMEOUT_S = _env_seconds("PARALLEL_COLLECTIVE_TIMEOUT_S", 300)
+SHUTDOWN_GRACE_S = 15.0  # for workers to unmap their weights and exit when told to
 STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat")
 
 
@@ -99,8 +102,9 @@ class _Worker:
         self.proc = proc
         self.conn = None
         self.output = collections.deque(maxlen=200)  # last lines, for crash reports
-        self.loaded: set[str] = set()  # model keys whose shared weights this worker maps
+        self.storages: dict[str, list] = {}  # model key -> shared storages this worker maps
         self.maps_status_table = False
+        self.released = False  # it confirmed unmapping everything before exiting
         self.reported_error: str | None = None
         self._relay = threading.Thread(target=self._relay_output, name=f"parallel-rank{rank}-log", daemon=True)
         self._relay.start()
@@ -126,6 +130,8 @@ class _Worker:
         for msg in msgs:
             if msg and msg[0] == "error" and self.reported_error is None:
                 self.reported_error = msg[2]
+            if msg and msg[0] == "released":
+                self.released = True
         return msgs
 
 
@@ -154,7 +160,6 @@ class World:
         self._status_table = None
         self._models: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._model_keys = itertools.count(1)
-        self._storages: dict[str, list] = {}  # model key -> shared storages the workers map
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -257,32 +262,46 @@ class World:
             if self.state == "stopped":
                 return
             self.state = "stopped"
+            died_on_their_own = {w.rank for w in self.workers if not w.alive}
             for w in self.workers:
                 try:
                     if w.conn is not None and w.alive:
                         w.conn.send(("shutdown",))
                 except (OSError, EOFError):
                     pass
-            deadline = time.monotonic() + 3
+            # Leave the process group first: a worker still blocked in a collective with us then
+            # fails at once, releases its weights and exits, instead of waiting for a timeout.
+            # The subgroups close their connections only once nothing references them.
+            self.mesh = None
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # a broken group still has to go
+                    log.debug("destroy_process_group failed", exc_info=True)
+            gc.collect()
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
             for w in self.workers:
                 try:
                     w.proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     w.proc.kill()
                     w.proc.wait(5)
+                w.drain()
                 if w.conn is not None:
                     w.conn.close()
-                if w.proc.returncode != 0:  # died without unmapping: release what it held
-                    for key in w.loaded:
-                        transport.release_for_dead_receiver(self._storages.get(key, ()))
+                if w.rank in died_on_their_own and not w.released:
+                    # It died (SIGKILL, crash) still mapping the shared weights: give back its
+                    # references, or the files would outlive the weights. A worker that stopped
+                    # while releasing them is left alone: a leak is better than a file pulled
+                    # from under a rank that still uses it.
+                    for storages in w.storages.values():
+                        transport.release_for_dead_receiver(storages)
                     if w.maps_status_table:
                         transport.release_for_dead_receiver([self._status_table.untyped_storage()])
-                w.loaded.clear()
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # a broken group still has to go
-                    log.debug("destroy_process_group failed", exc_info=True)
+                elif not w.released and w.storages:
+                    log.warning("rank %d was stopped before it released its shared weights; their shared "
+                                "memory is freed when ComfyUI exits", w.rank)
+                w.storages.clear()
             if self._listener is not None:
                 self._listener.close()
             if self._socket_dir:
@@ -298,39 +317,52 @@ class World:
         return self.state == "ready" and all(w.alive for w in self.workers)
 
     # ---------------------------------------------------------------- models
-    def _ensure_module(self, module: torch.nn.Module, plan: ModelPlan, epoch) -> str:
+    def _ensure_module(self, module: torch.nn.Module, plan: ModelPlan, epoch) -> tuple[str, torch.nn.Module]:
         """Send the module's weights unless the workers already hold these exact weights.
 
-        Weights can only change between sampling runs (LoRA patch or unpatch), so
-        the fingerprint is checked once per run ``epoch``.
+        Returns the key the workers know the model by and the module rank 0 runs: the
+        module itself, or with tensor parallelism rank 0's shard of it. Weights can only
+        change between sampling runs (LoRA patch or unpatch), so the fingerprint is
+        checked once per run ``epoch``.
         """
         entry = self._models.get(module)
         if entry is not None and epoch is not None and entry["epoch"] == epoch:
-            return entry["key"]
+            return entry["key"], entry["shard"] or module
         fingerprint = transport.weights_fingerprint(module)
         if entry is not None and entry["fingerprint"] == fingerprint:
             entry["epoch"] = epoch
-            return entry["key"]
+            return entry["key"], entry["shard"] or module
         check_plan_matches(module, plan)
         key = entry["key"] if entry else f"m{next(self._model_keys)}"
         started = time.perf_counter()
+        tp = self.mesh.size("tp")
+        if tp > 1:
+            # Each TP rank's slices, cut from the weights as ComfyUI patched them (LoRA merged).
+            shards = {r: build_shard(module, plan.tensor_parallel, r, tp) for r in range(tp)}
+            run_module = shards[self.mesh.local_rank("tp")]
+            module_of = lambda w: shards[self.layout.coords(w.rank)["tp"]]  # noqa: E731
+        else:
+            run_module = module
+            module_of = lambda w: module  # noqa: E731
         for w in self.workers:
             # One pickle per receiver: each pickle takes a reference on the shared files that
             # its receiver releases, so one pickle read by several workers would let them vanish.
-            w.conn.send(("load", key, plan.family, transport.pack_module(module)))
-            w.loaded.add(key)  # from now on this worker holds a reference (released if it dies)
+            target = module_of(w)
+            w.conn.send(("load", key, plan.family, transport.pack_module(target)))
+            # From now on this worker holds a reference on each of these (given back if it dies).
+            w.storages[key] = transport.shared_storages(target)
         fingerprint = transport.weights_fingerprint(module)  # sharing moved the storages
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        storages = transport.shared_storages(module)
-        self._storages[key] = storages
         for w in self.workers:
             self._expect(w, "loaded", deadline)
-        nbytes = transport.param_bytes(module)
-        self._models[module] = {"key": key, "fingerprint": fingerprint, "param_bytes": nbytes, "epoch": epoch}
-        weakref.finalize(module, self._drop_remote, key)
-        log.info("sent %s (%.1f MB) to %d workers in %.2fs", type(module).__name__, nbytes / 1e6,
-                 len(self.workers), time.perf_counter() - started)
-        return key
+        nbytes = transport.param_bytes(run_module)
+        # No strong reference to the module in its own entry (a weak key would never die).
+        self._models[module] = {"key": key, "fingerprint": fingerprint, "param_bytes": nbytes, "epoch": epoch,
+                                "shard": run_module if run_module is not module else None}
+        weakref.finalize(module, _drop_remote_if_alive, weakref.ref(self), key)
+        log.info("sent %s (%.1f MB on rank 0%s) to %d workers in %.2fs", type(module).__name__, nbytes / 1e6,
+                 f", tensor parallel {tp}" if tp > 1 else "", len(self.workers), time.perf_counter() - started)
+        return key, run_module
 
     def _drop_remote(self, key: str):
         if self.state != "ready":
@@ -338,10 +370,9 @@ class World:
         for w in self.workers:
             try:
                 w.conn.send(("drop", key))
-                w.loaded.discard(key)
+                w.storages.pop(key, None)
             except (OSError, EOFError):
                 pass
-        self._storages.pop(key, None)
 
     @property
     def param_bytes_rank0(self) -> int:
@@ -370,7 +401,7 @@ class World:
         t_prepared = time.perf_counter()
         # Nothing has reached a worker yet: errors above leave the world usable.
         try:
-            key = self._ensure_module(module, plan, epoch)
+            key, run_module = self._ensure_module(module, plan, epoch)
             started = time.perf_counter()
             for w in self.workers:
                 w.conn.send(("forward", key, method_name, spec, meta, distributed_attention))
@@ -381,7 +412,10 @@ class World:
             self.last_dispatch = {"prepare_ms": (t_prepared - t0) * 1e3, "weights_check_ms": (started - t_prepared) * 1e3,
                                   "send_ms": (t_sent - started) * 1e3, "broadcast_ms": (t_broadcast - t_sent) * 1e3}
             with self._threads():
-                out = run_sharded(module, plan, self.mesh, method, getattr(module, method_name), bound.args,
+                # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
+                # shard's method directly is what the wrapper chain would have done.
+                call = method if run_module is module else getattr(run_module, method_name)
+                out = run_sharded(run_module, plan, self.mesh, call, getattr(run_module, method_name), bound.args,
                                   bound.kwargs, distributed_attention=distributed_attention)
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1
@@ -454,6 +488,12 @@ class World:
                           "coords": self.layout.coords(rank)})
         return {"world_size": self.world_size, "mesh": self.config.mesh_sizes, "backend": self.config.backend,
                 "state": self.state, "failure": self.failure, "forwards": self.forwards, "ranks": ranks}
+
+
+def _drop_remote_if_alive(world_ref, key: str) -> None:
+    world = world_ref()
+    if world is not None:
+        world._drop_remote(key)
 
 
 def _pickled_shared(t: torch.Tensor) -> bytes:

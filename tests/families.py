@@ -36,12 +36,13 @@ def seeded(model, seed=0, scale=0.05):
     return model.eval()
 
 
-def flux1(**extra):
+def flux1(heads=2, **extra):
     from comfy.ldm.flux.model import Flux
 
+    axes = [16, 56, 56] if heads == 2 else [16, 24, 24]
     return seeded(Flux(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
-                       hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2,
-                       axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True,
+                       hidden_size=256, mlp_ratio=4.0, num_heads=heads, depth=2, depth_single_blocks=2,
+                       axes_dim=axes, theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True,
                        dtype=torch.float32, device="cpu", operations=OPS, **extra), seed=20)
 
 
@@ -229,3 +230,91 @@ def ltxv_keyframe():
     idx = torch.randint(0, 64, (2, 3, 35), generator=torch.Generator().manual_seed(97)).float()
     return ltxv_model(), (x, torch.tensor([0.5, 0.7]), randn(2, 12, 64, seed=98), None), \
         {"frame_rate": 25, "keyframe_idxs": idx}
+
+
+# Four attention heads, so that TP 2 x Ulysses 2 has a head per rank (tests/test_tensor_parallel.py).
+TP_CASES = {}
+
+
+def tp_case(name):
+    def register(fn):
+        TP_CASES[name] = fn
+        return fn
+    return register
+
+
+@tp_case("wan21_t2v_4heads")
+def wan_t2v_4heads():
+    import comfy.ldm.wan.model
+
+    model = seeded(comfy.ldm.wan.model.WanModel(model_type="t2v", dim=256, ffn_dim=512, num_heads=4, num_layers=2,
+                                                text_dim=64, operations=OPS), seed=100)
+    x = randn(2, 16, 3, 10, 14, seed=101)  # 105 tokens
+    return model, (x, torch.tensor([700.0, 300.0]), randn(2, 7, 64, seed=102)), {}
+
+
+@tp_case("wan21_i2v_4heads")
+def wan_i2v_4heads():
+    import comfy.ldm.wan.model
+
+    model = seeded(comfy.ldm.wan.model.WanModel(model_type="i2v", dim=256, ffn_dim=512, num_heads=4, num_layers=2,
+                                                text_dim=64, operations=OPS), seed=103)
+    x = randn(2, 16, 2, 6, 10, seed=104)
+    return model, (x, torch.tensor([900.0, 100.0]), randn(2, 9, 64, seed=105)), \
+        {"clip_fea": randn(2, 257, 1280, seed=106)}
+
+
+@tp_case("wan22_per_frame_t_4heads")
+def wan_per_frame_4heads():
+    model, (x, _, context), _ = TP_CASES["wan21_t2v_4heads"]()
+    return model, (x, torch.rand(2, 3, generator=torch.Generator().manual_seed(107)) * 1000, context), {}
+
+
+@tp_case("flux1_4heads_kontext_controlnet")
+def flux1_4heads():
+    x = randn(2, 16, 10, 14, seed=110)
+    kwargs = {"y": randn(2, 32, seed=111), "guidance": torch.tensor([2.5, 2.5]),
+              "ref_latents": [randn(2, 16, 6, 6, seed=112)], "control": flux_control(35, seed=113)}
+    return flux1(heads=4), (x, torch.tensor([0.6, 0.4]), randn(2, 9, 64, seed=114)), kwargs
+
+
+@tp_case("flux2_4heads")
+def flux2_4heads():
+    from comfy.ldm.flux.model import Flux
+
+    model = seeded(Flux(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
+                        hidden_size=256, mlp_ratio=3.0, num_heads=4, depth=1, depth_single_blocks=2,
+                        axes_dim=[16, 16, 16, 16], theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True,
+                        global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
+                        ref_index_scale=10.0, dtype=torch.float32, device="cpu", operations=OPS), seed=115)
+    x = randn(2, 128, 5, 7, seed=116)
+    kwargs = {"guidance": torch.tensor([4.0, 4.0]), "ref_latents": [randn(2, 128, 3, 3, seed=117)]}
+    return model, (x, torch.tensor([0.8, 0.2]), randn(2, 11, 64, seed=118)), kwargs
+
+
+@tp_case("qwen_image_4heads_controlnet")
+def qwen_4heads():
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    model = seeded(QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
+                                               attention_head_dim=64, num_attention_heads=4, joint_attention_dim=64,
+                                               axes_dims_rope=(16, 24, 24), dtype=torch.float32, operations=OPS),
+                   seed=120)
+    x = randn(2, 16, 1, 10, 14, seed=121)
+    control = {"input": [randn(2, 35, 256, seed=122) * 0.1, randn(2, 35, 256, seed=123) * 0.1]}
+    return model, (x, torch.tensor([0.5, 0.25]), randn(2, 7, 64, seed=124)), {"control": control}
+
+
+@tp_case("hunyuan_video_4heads")
+def hunyuan_4heads():
+    from comfy.ldm.hunyuan_video.model import HunyuanVideo
+
+    model = seeded(HunyuanVideo(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768,
+                                context_in_dim=64, hidden_size=256, mlp_ratio=4.0, num_heads=4, depth=1,
+                                depth_single_blocks=2, axes_dim=[16, 24, 24], theta=256, patch_size=[1, 2, 2],
+                                qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
+                                use_cond_type_embedding=False, vision_in_dim=None, dtype=torch.float32,
+                                device="cpu", operations=OPS), seed=125)
+    x = randn(2, 16, 3, 6, 10, seed=126)
+    kwargs = {"y": randn(2, 768, seed=127), "guidance": torch.tensor([6.0, 6.0])}
+    return model, (x, torch.tensor([500.0, 900.0]), randn(2, 10, 64, seed=128)), kwargs

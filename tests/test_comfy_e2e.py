@@ -75,8 +75,8 @@ def test_bad_config_is_refused_before_anything_runs(tiny_server, tiny_prompt):
         tiny_server.queue(edited(tiny_prompt, ParallelConfig={"ulysses_size": 3}))  # 3 ranks on 2 cores
     assert "Parallel Config: devices='auto'" in str(info.value) and "2 cores" in str(info.value)
     with pytest.raises(PromptRejected) as info:
-        tiny_server.queue(edited(tiny_prompt, ParallelConfig={"tp_size": 2}))
-    assert "tp_size=2" in str(info.value) and "must be 1" in str(info.value)
+        tiny_server.queue(edited(tiny_prompt, ParallelConfig={"backend": "nccl"}))
+    assert "backend='nccl'" in str(info.value) and "NCCL needs CUDA" in str(info.value)
 
 
 def test_head_count_that_does_not_divide_is_refused_at_the_node(tiny_server, tiny_prompt):

@@ -35,12 +35,6 @@ def test_sizes_below_one_are_refused(name):
     assert f"{name}=0" in msg and "at least 1" in msg
 
 
-@pytest.mark.parametrize("name", ["tp_size"])
-def test_sizes_the_runtime_cannot_do_yet_are_refused_not_ignored(name):
-    msg = refused(**{name: 2})
-    assert f"{name}=2" in msg and f"{name} must be 1" in msg and "ulysses_size" in msg
-
-
 def test_context_parallel_meshes_combine():
     cfg = build_config(cfg_size=2, ring_size=2, ulysses_size=2, devices=",".join(["cpu"] * 8), host=CPU2)
     assert cfg.world_size == 8 and cfg.mesh_sizes == {"cfg": 2, "ring": 2, "ulysses": 2, "tp": 1}

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from .. import arguments
+from ..tensor_parallel import TensorParallelPlan
 from ..attention import JointLayout, SequenceParallel, context_parallel_attention
 from ..sequence import SeqShard, gather_chunks, take_chunk
 
@@ -94,8 +95,12 @@ class ModelPlan:
     heads_attr: str           # attribute path (dotted) of the root module holding the head count
     context_parallel: ContextParallelPlan
     notes: str = ""
-    # Mesh dimensions the plan supports (for the support matrix and the node's checks).
-    supports: tuple[str, ...] = field(default=("ulysses", "ring", "cfg"))
+    tensor_parallel: "TensorParallelPlan | None" = None
+
+    @property
+    def supports(self) -> tuple[str, ...]:
+        """Mesh dimensions the plan supports (for the support matrix and the node's checks)."""
+        return ("ulysses", "ring", "cfg") + (("tp",) if self.tensor_parallel is not None else ())
 
     def heads(self, module: torch.nn.Module) -> int:
         value = module

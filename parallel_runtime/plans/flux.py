@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
 
 JOINT = ("txt", "img")
@@ -36,6 +37,60 @@ def _flux_style_plan(unsupported: dict[str, str]) -> ContextParallelPlan:
     )
 
 
+def _gated(parent) -> bool:
+    """Flux.2's SwiGLU MLP: the first projection holds gate | up."""
+    return type(parent[1]).__name__ == "SiLUActivation" if hasattr(parent, "__getitem__") else False
+
+
+def _single_in(block, linear) -> list[int]:
+    """linear1 = q | k | v | mlp_in (mlp_in = gate | up for Flux.2)."""
+    h, m = block.hidden_size, block.mlp_hidden_dim
+    return [h, h, h] + ([m, m] if block.mlp_hidden_dim_first == 2 * m else [m])
+
+
+def flux_blocks_tensor_parallel(modulation: bool, final_modulation: bool, embeddings: bool = True,
+                                extra: dict | None = None, divisible: dict | None = None) -> TensorParallelPlan:
+    """Heads and MLPs of the double- and single-stream blocks split across TP ranks: fused
+    projections by segment (qkv; q|k|v|mlp_in; proj|mlp_out; gate|up), output projections
+    row-parallel, modulation column-parallel with gathered output."""
+    layers, optional = {}, set()
+    for stream in ("img", "txt"):
+        layers[f"double_blocks.*.{stream}_attn.qkv"] = Colwise(segments=3)
+        layers[f"double_blocks.*.{stream}_attn.proj"] = Rowwise()
+        layers[f"double_blocks.*.{stream}_mlp.0"] = Colwise(segments=lambda seq, lin: 2 if _gated(seq) else 1)
+        layers[f"double_blocks.*.{stream}_mlp.2"] = Rowwise()
+        if modulation:
+            layers[f"double_blocks.*.{stream}_mod.lin"] = Colwise(gather=True)
+            optional.add(f"double_blocks.*.{stream}_mod.lin")  # Flux.2 modulates once per model instead
+    layers["single_blocks.*.linear1"] = Colwise(segments=_single_in)
+    layers["single_blocks.*.linear2"] = Rowwise(segments=lambda block, lin: [block.hidden_size, block.mlp_hidden_dim])
+    if modulation:
+        layers["single_blocks.*.modulation.lin"] = Colwise(gather=True)
+        global_mod = ("double_stream_modulation_img.lin", "double_stream_modulation_txt.lin",
+                      "single_stream_modulation.lin")
+        layers.update({name: Colwise(gather=True) for name in global_mod})
+        optional.update(("single_blocks.*.modulation.lin", *global_mod))
+    if final_modulation:
+        layers["final_layer.adaLN_modulation.1"] = Colwise(gather=True)
+    # Input embeddings: the projections into the residual width, gathered; the timestep,
+    # guidance and pooled-text MLPs as column/row pairs (guidance and pooled text exist
+    # only in some variants).
+    if embeddings:
+        layers.update({"img_in": Colwise(gather=True), "txt_in": Colwise(gather=True)})
+    for embedder in ("time_in", "guidance_in", "vector_in"):
+        layers[f"{embedder}.in_layer"] = Colwise()
+        layers[f"{embedder}.out_layer"] = Rowwise()
+        if embedder != "time_in":
+            optional.update((f"{embedder}.in_layer", f"{embedder}.out_layer"))
+    layers.update(extra or {})
+    return TensorParallelPlan(
+        layers=layers,
+        divide={"double_blocks.*": ("num_heads",),
+                "single_blocks.*": ("num_heads", "hidden_size", "mlp_hidden_dim", "mlp_hidden_dim_first")},
+        divisible={"MLP width": "single_blocks.0.mlp_hidden_dim", **(divisible or {})},
+        optional=frozenset(optional))
+
+
 MASK_WHY = "the style-model attention mask covers the joint sequence; run without the mask option"
 
 FLUX = ModelPlan(
@@ -45,6 +100,7 @@ FLUX = ModelPlan(
     heads_attr="num_heads",
     context_parallel=_flux_style_plan({"attention_mask": MASK_WHY}),
     notes="dev, schnell, Kontext and Flux.2 reference images, ControlNet residuals.",
+    tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True),
 )
 
 CHROMA = ModelPlan(

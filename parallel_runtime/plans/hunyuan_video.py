@@ -1,4 +1,5 @@
-"""HunyuanVideo (1.0, I2V, 1.5) and HunyuanImage 2.1 (``comfy.ldm.hunyuan_video.model.HunyuanVideo``).
+"""HunyuanVideo (``comfy.ldm.hunyuan_video.model.HunyuanVideo``, the class ComfyUI also uses for its
+I2V, 1.5 and HunyuanImage 2.1 variants; the T2V model is what the tests cover).
 
 - The text first goes through the token refiner (attention over text only): it
   stays whole on every rank. Streams ``img`` and ``txt`` are cut where they enter
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .flux import flux_blocks_tensor_parallel
 
 JOINT = ("img", "txt")
 ROPE = Split("pe", dim=2, segments=JOINT)
@@ -36,4 +38,7 @@ PLAN = ModelPlan(
         },
     ),
     notes="HunyuanVideo T2V (reference latents too); not ControlNet or the I2V guiding frame.",
+    # Flux's block classes: the same tensor-parallel layout; the patch embedding (a convolution)
+    # and the text token refiner stay whole.
+    tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True, embeddings=False),
 )

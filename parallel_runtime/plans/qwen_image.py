@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
 
 JOINT = ("txt", "img")
@@ -31,4 +32,17 @@ PLAN = ModelPlan(
         call_inputs=(Split("control", dim=1, stream="img", prefix=True),),
     ),
     notes="Edit reference images, ControlNet residuals.",
+    tensor_parallel=TensorParallelPlan(
+        layers={
+            **{f"transformer_blocks.*.attn.{p}": Colwise()
+               for p in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")},
+            "transformer_blocks.*.attn.to_out.0": Rowwise(),
+            "transformer_blocks.*.attn.to_add_out": Rowwise(),
+            **{f"transformer_blocks.*.{s}_mlp.net.0.proj": Colwise() for s in ("img", "txt")},
+            **{f"transformer_blocks.*.{s}_mlp.net.2": Rowwise() for s in ("img", "txt")},
+            **{f"transformer_blocks.*.{s}_mod.1": Colwise(gather=True) for s in ("img", "txt")},
+        },
+        divide={"transformer_blocks.*.attn": ("heads",)},
+        divisible={"MLP width": "transformer_blocks.0.img_mlp.net.2.in_features"},
+    ),
 )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..tensor_parallel import Colwise, Norm, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
 
 
@@ -31,6 +32,31 @@ def expand_like_repeat_e(t: torch.Tensor, total: int) -> torch.Tensor:
     if repeats * t.shape[1] == total:
         return torch.repeat_interleave(t, repeats, dim=1)
     return torch.repeat_interleave(t, repeats + 1, dim=1)[:, :total]
+
+
+def _attention_tp(prefix: str, image_branch: bool = False) -> dict:
+    layers = {f"{prefix}.{p}": Colwise() for p in ("q", "k", "v")}
+    layers.update({f"{prefix}.o": Rowwise(), f"{prefix}.norm_q": Norm(), f"{prefix}.norm_k": Norm()})
+    if image_branch:
+        layers.update({f"{prefix}.k_img": Colwise(), f"{prefix}.v_img": Colwise(), f"{prefix}.norm_k_img": Norm()})
+    return layers
+
+
+def wan_tensor_parallel() -> TensorParallelPlan:
+    """Attention heads and the FFN split across TP ranks (the residual stream stays whole):
+    q/k/v column-parallel, o row-parallel, the full-width q/k RMSNorms all-reduce their mean
+    square; the text and time embeddings are column/row pairs too, and the 6-way modulation
+    projection is column-parallel with its output gathered."""
+    image_branch = {f"blocks.*.cross_attn.{p}" for p in ("k_img", "v_img", "norm_k_img")}
+    layers = {**_attention_tp("blocks.*.self_attn"), **_attention_tp("blocks.*.cross_attn", image_branch=True),
+              "blocks.*.ffn.0": Colwise(), "blocks.*.ffn.2": Rowwise(),
+              "text_embedding.0": Colwise(), "text_embedding.2": Rowwise(),
+              "time_embedding.0": Colwise(), "time_embedding.2": Rowwise(),
+              "time_projection.1": Colwise(gather=True)}
+    return TensorParallelPlan(layers=layers,
+                              divide={"blocks.*.self_attn": ("num_heads",), "blocks.*.cross_attn": ("num_heads",)},
+                              divisible={"FFN width": "ffn_dim", "width": "dim"},
+                              optional=frozenset(image_branch))
 
 
 ENTRY = {"blocks.0": (Split("x", dim=1, starts_stream=True),)}
@@ -50,6 +76,7 @@ PLAN = ModelPlan(
         attention=SELF_ATTENTION,
     ),
     notes="T2V, I2V (CLIP image context), the 5B TI2V (per-frame timesteps), Wan 2.2 14B.",
+    tensor_parallel=wan_tensor_parallel(),
 )
 
 VACE = ModelPlan(
