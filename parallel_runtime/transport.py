@@ -11,6 +11,9 @@ worker then copies its shadow onto its own device.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 import io
 import pickle
 import weakref
@@ -44,6 +47,8 @@ def _shared_cpu(t: torch.Tensor) -> torch.Tensor:
 
 class _ModulePickler(ForkingPickler):
     def reducer_override(self, obj):
+        if isinstance(obj, type) and "<locals>" in obj.__qualname__:
+            return _local_class_reduction(obj)
         if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
             shadow = _shared_cpu(obj)
             if isinstance(obj, torch.nn.Parameter):
@@ -54,6 +59,65 @@ class _ModulePickler(ForkingPickler):
 
 def _identity(x):
     return x
+
+
+def _local_class_reduction(cls: type):
+    """Rebuild a class that a factory function defines (ComfyUI's ``scaled_fp8_ops(...)``,
+    ``mixed_precision_ops(...)`` make the layer classes of fp8 checkpoints this way), which
+    pickle cannot name: call the same factory with the same arguments in the worker and
+    walk to the class. The arguments are read back from the closures and class attributes
+    of the classes the factory made."""
+    factory_name, _, path = cls.__qualname__.partition(".<locals>.")
+    module = importlib.import_module(cls.__module__)
+    factory = getattr(module, factory_name, None)
+    if factory is None or "<locals>" in path:
+        raise pickle.PicklingError(f"cannot send the layer class {cls.__module__}.{cls.__qualname__} to the other "
+                                   "ranks: it is defined inside a function this runtime cannot call again")
+    found: dict = {}
+    for klass in cls.__mro__:
+        if not klass.__qualname__.startswith(factory_name + ".<locals>."):
+            continue
+        for name, attr in vars(klass).items():
+            fn = getattr(attr, "__func__", attr)
+            for var, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()),
+                                 getattr(fn, "__closure__", None) or ()):
+                try:
+                    found.setdefault(var, cell.cell_contents)
+                except ValueError:  # empty cell
+                    pass
+            if name.startswith("_") and not name.startswith("__"):
+                found.setdefault(name[1:], attr)
+    # The outermost local class, then the path inside it.
+    outer_name, _, inner = path.partition(".")
+    outer = next((k for k in cls.__mro__ if k.__qualname__ == f"{factory_name}.<locals>.{outer_name}"), None)
+    if outer is not None:
+        for name, attr in vars(outer).items():
+            if name.startswith("_") and not name.startswith("__"):
+                found.setdefault(name[1:], attr)
+    kwargs = {}
+    for param in inspect.signature(factory).parameters.values():
+        if param.name not in found:
+            raise pickle.PicklingError(f"cannot send the layer class {cls.__qualname__} to the other ranks: the "
+                                       f"argument '{param.name}' of {cls.__module__}.{factory_name} is not recoverable")
+        kwargs[param.name] = found[param.name]
+    made = (functools.partial(factory, **kwargs), ())
+    if not inner:
+        return made
+    # getattr chains rebuild the nested class from the factory's result.
+    obj = made
+    for part in inner.split("."):
+        obj = (getattr, (_Deferred(obj), part))
+    return obj
+
+
+class _Deferred:
+    """Placeholder so that a reduction tuple can nest another reduction (see __reduce__)."""
+
+    def __init__(self, reduction):
+        self.reduction = reduction
+
+    def __reduce__(self):
+        return self.reduction
 
 
 def module_tensors(module: torch.nn.Module):

@@ -100,3 +100,43 @@ def test_sizes_that_do_not_divide_are_refused():
     model, _, _ = TP_CASES["wan21_t2v_4heads"]()
     with pytest.raises(TensorParallelError, match="does not divide by tp_size 3"):
         build_shard(model, find_plan(model).tensor_parallel, 0, 3)
+
+
+def test_scaled_fp8_weights_shard_in_fp8_with_their_scales(runtime):
+    """A scaled-fp8 checkpoint (fp8 weights, one fp32 scale per tensor) stays fp8 on every rank."""
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    fp8 = torch.float8_e4m3fn
+    ops = comfy.ops.scaled_fp8_ops(override_dtype=fp8)
+    model = comfy.ldm.wan.model.WanModel(model_type="t2v", dim=256, ffn_dim=512, num_heads=4, num_layers=2,
+                                         text_dim=64, dtype=torch.float32, operations=ops)
+    gen = torch.Generator().manual_seed(130)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("scale_weight"):
+                p.fill_(0.01)
+            elif p.dtype == fp8:
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.05 / 0.01).to(fp8))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.eval()
+    fp8_params = {n for n, p in model.named_parameters() if p.dtype == fp8}
+    assert len(fp8_params) > 20
+    x = torch.randn(2, 16, 3, 10, 14, generator=gen)
+    args = (x, torch.tensor([700.0, 300.0]), torch.randn(2, 7, 64, generator=gen))
+    with torch.inference_mode():
+        ref = model(*args, transformer_options={})
+    shard = build_shard(model, find_plan(model).tensor_parallel, 1, 2)
+    q = shard.blocks[0].self_attn.q
+    assert q.weight.dtype == fp8 and q.weight.shape[0] == 128
+    assert q.scale_weight is model.blocks[0].self_attn.q.scale_weight
+    assert all(p.dtype == fp8 for n, p in shard.named_parameters() if n in fp8_params)
+
+    world = runtime.world_for(build_config(tp_size=2, devices="cpu,cpu", host=HostDevices("cpu")))
+    with torch.inference_mode():
+        out = world.forward(model, find_plan(model), model._forward, args, {"transformer_options": {}})
+    err = (out - ref).abs().max().item()
+    print(f"\nscaled fp8 Wan, TP 2: max abs err {err:.2e}; rank 0 holds "
+          f"{world._models[model]['param_bytes'] / sum(p.numel() * p.element_size() for p in model.parameters()):.3f}")
+    assert err <= TOL

@@ -128,6 +128,7 @@ TINY_FILES = {
     "lora_b": "tiny_wan21_lora_b.safetensors",
     "prompt_dataset": "tiny_wan_prompt",
     "hunyuan_unet": "tiny_hunyuan_video.safetensors",
+    "unet_4heads": "tiny_wan21_t2v_4heads.safetensors",
     "hunyuan_prompt_dataset": "tiny_hunyuan_prompt",
 }
 
@@ -144,6 +145,7 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str,
         "lora_b": base_dir / "models" / "loras" / TINY_FILES["lora_b"],
         "prompt_dataset": base_dir / "output" / TINY_FILES["prompt_dataset"],
         "hunyuan_unet": base_dir / "models" / "diffusion_models" / TINY_FILES["hunyuan_unet"],
+        "unet_4heads": base_dir / "models" / "diffusion_models" / TINY_FILES["unet_4heads"],
         "hunyuan_prompt_dataset": base_dir / "output" / TINY_FILES["hunyuan_prompt_dataset"],
     }
     makers = {
@@ -153,6 +155,8 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str,
         "lora_b": lambda: wan_lora_state_dict(spec, seed=5, targets=[f"blocks.{i}.cross_attn.q"
                                                                      for i in range(spec.num_layers)]),
         "hunyuan_unet": hunyuan_video_state_dict,
+        # Width 512 = 4 heads of 128 for ComfyUI's detection: room for TP 4 (and TP 2 x Ulysses 2).
+        "unet_4heads": lambda: wan_state_dict(TinyWan(dim=512, ffn_dim=1024, num_layers=2), seed=9),
     }
     for name, make in makers.items():
         path = paths[name]

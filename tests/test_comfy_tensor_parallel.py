@@ -1,0 +1,52 @@
+"""Tensor parallelism through ComfyUI's HTTP API: LoRA-patched shards, and what each rank holds."""
+import pytest
+
+from test_comfy_e2e import TOL, edited, final_latent, status
+from workflows import find_nodes, remove_passthrough
+
+pytestmark = pytest.mark.comfy_server
+
+
+def with_lora_strengths(prompt, first, second):
+    out = edited(prompt)
+    before, after = find_nodes(out, "LoraLoaderModelOnly")
+    out[before]["inputs"]["strength_model"] = first
+    out[after]["inputs"]["strength_model"] = second
+    return out
+
+
+def test_tp2_with_lora_and_a_changed_strength(tiny_server, tiny_prompt):
+    """The shards are cut from the LoRA-patched weights, and cut again when the strength changes."""
+    tp2 = edited(tiny_prompt, ParallelConfig={"ulysses_size": 1, "tp_size": 2})
+    results = {}
+    for strengths in ((0.8, 0.6), (0.3, 1.2)):
+        sharded = with_lora_strengths(tp2, *strengths)
+        reference = final_latent(tiny_server, remove_passthrough(sharded, "ShardTransformer", "model"))
+        result = final_latent(tiny_server, sharded)
+        err = (result - reference).abs().max().item()
+        print(f"\nTP 2 with LoRA strengths {strengths}: max abs err {err:.2e}")
+        assert err <= TOL
+        results[strengths] = (reference, result)
+    (ref_a, out_a), (ref_b, out_b) = results.values()
+    change_ref, change_out = ref_b - ref_a, out_b - out_a
+    assert change_ref.abs().max().item() > 1e-2  # the strengths matter
+    assert (change_out - change_ref).abs().max().item() <= 2 * TOL
+    assert status(tiny_server)["mesh"]["tp"] == 2
+
+
+@pytest.mark.parametrize("tp,limit", [(2, 0.55), (4, 0.30)])
+def test_each_rank_holds_its_share_of_the_weights(tiny_server, tiny_prompt, tp, limit):
+    prompt = edited(tiny_prompt, ParallelConfig={"ulysses_size": 1, "tp_size": tp, "devices": ",".join(["cpu"] * tp)},
+                    UNETLoader={"unet_name": "tiny_wan21_t2v_4heads.safetensors"},
+                    LoraLoaderModelOnly={"strength_model": 0.0})  # the LoRAs are shaped for the 2-head model
+    tiny_server.run(prompt, timeout=300)
+    info = status(tiny_server)
+    from safetensors import safe_open
+
+    path = tiny_server.base_dir / "models" / "diffusion_models" / "tiny_wan21_t2v_4heads.safetensors"
+    with safe_open(str(path), "pt") as f:
+        full = sum(f.get_tensor(k).numel() * 4 for k in f.keys())
+    shares = [r["param_bytes"] / full for r in info["ranks"]]
+    print(f"\nTP {tp}: weights per rank / whole model = {[round(s, 3) for s in shares]}")
+    assert len(shares) == tp and info["mesh"]["tp"] == tp
+    assert max(shares) <= limit and min(shares) > 0
