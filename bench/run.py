@@ -69,6 +69,7 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
     timer = Timer(dev)
     model, args, kwargs = scenario.build(0, scenario.batch, dev)
     plan = find_plan(model)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     # World size 1: the plain model in this process.
     saved_threads = torch.get_num_threads()
@@ -130,6 +131,8 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
         "world1_ms_max": round(base["max"], 2),
         "speedup_vs_world1": round(speedup, 3), "parallel_efficiency": round(speedup / world_size, 3),
         "param_bytes_per_rank_max": max(r["param_bytes"] for r in status["ranks"]),
+        "param_bytes_model": model_bytes,
+        "param_fraction_per_rank_max": round(max(r["param_bytes"] for r in status["ranks"]) / model_bytes, 4),
         "rss_bytes_per_rank_max": max(peak_rss(p) or m["rss_bytes"] or 0 for p, m in zip(pids, mem)),
         "pss_bytes_per_rank": [m["pss_bytes"] for m in mem],
         "comm_bytes_per_step": comm["bytes"], "collective_calls_per_step": comm["calls"],

@@ -140,6 +140,13 @@ SCENARIOS = [
              notes="batch 2 = cond + uncond, as ComfyUI batches them"),
     Scenario("flux_usp2x2", "flux", "usp", {"ring": 2, "ulysses": 2}, flux(FLUX), FLUX.tokens, suites=("full",),
              notes="4 ranks: on a 2-core machine this oversubscribes the cores; correctness, not speed"),
+    Scenario("flux_tp2", "flux", "tp", {"tp": 2}, flux(FLUX), FLUX.tokens),
+    Scenario("flux_tp1", "flux", "tp", {}, flux(FLUX), FLUX.tokens, suites=("full",),
+             notes="one rank through the runtime: the memory baseline for the TP records"),
+    Scenario("flux_tp4", "flux", "tp", {"tp": 4}, flux(FLUX), FLUX.tokens, suites=("full",),
+             notes="4 ranks: on a 2-core machine this oversubscribes the cores; memory, not speed"),
+    Scenario("flux_ulysses2_tp2", "flux", "hybrid", {"ulysses": 2, "tp": 2}, flux(FLUX), FLUX.tokens,
+             suites=("full",), notes="4 ranks: on a 2-core machine this oversubscribes the cores; memory, not speed"),
     Scenario("wan_ulysses2", "wan", "ulysses", {"ulysses": 2}, wan(WAN), WAN.tokens, suites=("full",)),
     Scenario("wan_ring2", "wan", "ring", {"ring": 2}, wan(WAN), WAN.tokens, suites=("full",)),
 ]

@@ -4,9 +4,10 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from .parallel_config import ParallelConfigNode
+from .shard_text_encoder import ShardTextEncoderNode
 from .shard_transformer import ShardTransformerNode
 
-NODES = [ParallelConfigNode, ShardTransformerNode]
+NODES = [ParallelConfigNode, ShardTransformerNode, ShardTextEncoderNode]
 
 
 class HybridParallelExtension(ComfyExtension):

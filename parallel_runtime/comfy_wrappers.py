@@ -64,3 +64,19 @@ class ShardedForward:
         with interrupts.deferred():  # Cancel lands right after this forward, on every rank alike
             return world.forward(module, plan_for_family(self.family), executor, args, kwargs,
                                  epoch=RUNTIME.run_epoch)
+
+
+class ShardedEncoderForward:
+    """Installed (by an object patch on the CLIP's ModelPatcher) as a text encoder's
+    ``forward``: every call runs on all ranks, each with its slice of the encoder."""
+
+    def __init__(self, config: ParallelConfig, family: str, module):
+        self.config = config
+        self.family = family
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        world = RUNTIME.world_for(self.config)
+        forward = type(self.module).forward.__get__(self.module)
+        with interrupts.deferred():
+            return world.forward(self.module, plan_for_family(self.family), forward, args, kwargs)

@@ -26,6 +26,9 @@ def sequence_parallel(mesh: ProcessMesh) -> SequenceParallel:
 def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
                 args: tuple, kwargs: dict, *, distributed_attention: bool = True):
     """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has)."""
+    if plan.kind == "encoder":  # every rank holds a slice of every layer; the whole input everywhere
+        with tensor_parallel(module, plan.tensor_parallel, mesh.group("world"), mesh.size("world")):
+            return call(*args, **kwargs)
     bound = inspect.signature(signature_of).bind(*args, **kwargs)
     first = next(iter(bound.arguments.values()))
     batch = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1

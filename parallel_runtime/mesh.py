@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from .config import MESH_DIMS
 
 # Composite dimensions the runtime needs groups for, besides the single ones.
-COMPOSITE_DIMS = {"sp": ("ring", "ulysses")}  # the whole sequence-parallel group
+COMPOSITE_DIMS = {"sp": ("ring", "ulysses"),  # the whole sequence-parallel group
+                  "world": MESH_DIMS}          # every rank (text encoders shard over all of them)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,18 @@ Segments = Union[int, Callable[[torch.nn.Module, torch.nn.Module], "list[int] | 
 class Colwise:
     segments: Segments = None   # equal segments (int) or sizes from (parent, module)
     gather: bool = False
+    dim: int = 0                # the weight's output-feature dim (1 for an Embedding: heads of T5's bias table)
+
+
+@dataclass(frozen=True)
+class ColwiseKV:
+    """Key/value projection of grouped-query attention: heads split like ``Colwise`` while
+    there are at least as many KV heads as ranks; beyond that each rank keeps the one KV
+    head its query heads use (replicated, not crashing)."""
+
+    heads: str = "num_heads"        # attributes of the parent attention module
+    kv_heads: str = "num_kv_heads"
+    head_dim: str = "head_dim"
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,7 @@ class Norm:
     pass
 
 
-Layer = Union[Colwise, Rowwise, Norm]
+Layer = Union[Colwise, ColwiseKV, Rowwise, Norm]
 
 
 @dataclass(frozen=True)
@@ -145,11 +157,16 @@ def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size
         bias = getattr(mod, "bias", None)
         if weight is None:
             raise TensorParallelError(f"tensor-parallel plan: {name} has no weight")
-        if isinstance(spec, (Colwise, Norm)):
-            dim = 0
-            sizes = _segment_sizes(spec, parent, mod, weight.shape[0]) if isinstance(spec, Colwise) else \
+        if isinstance(spec, ColwiseKV):
+            rows = _kv_rows(parent, spec, rank, size, name)
+            memo[id(weight)] = _param(weight[rows].clone(), weight)
+            if bias is not None:
+                memo[id(bias)] = _param(bias[rows].clone(), bias)
+        elif isinstance(spec, (Colwise, Norm)):
+            dim = spec.dim if isinstance(spec, Colwise) else 0
+            sizes = _segment_sizes(spec, parent, mod, weight.shape[dim]) if isinstance(spec, Colwise) else \
                 [weight.shape[0]]
-            memo[id(weight)] = _param(_slice_segments(weight, 0, sizes, rank, size, name), weight)
+            memo[id(weight)] = _param(_slice_segments(weight, dim, sizes, rank, size, name), weight)
             if bias is not None:
                 memo[id(bias)] = _param(_slice_segments(bias, 0, sizes, rank, size, name), bias)
         else:  # Rowwise
@@ -161,7 +178,10 @@ def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size
                 memo[id(bias)] = _param(bias.detach().clone() if rank == 0 else torch.zeros_like(bias), bias)
     for t in list(root.parameters()) + list(root.buffers()):
         memo.setdefault(id(t), t)  # replicated: the same tensor, no copy
-    shard = copy.deepcopy(root, memo)
+    from .transport import without_forward_overrides
+
+    with without_forward_overrides(root):
+        shard = copy.deepcopy(root, memo)
     for name, mod, spec in layer_specs(shard, plan):
         if isinstance(spec, Norm) and hasattr(mod, "normalized_shape"):
             # The module's own (local) normalisation runs first and is replaced by the hook.
@@ -169,12 +189,68 @@ def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size
     for pattern, attrs in plan.divide.items():
         for name, mod in matching_modules(shard, pattern):
             for attr in attrs:
+                attr, _, rule = attr.partition(":")
                 value = getattr(mod, attr)
+                if rule == "kv" and value < size:
+                    setattr(mod, attr, 1)  # each rank keeps one KV head (see ColwiseKV)
+                    continue
                 if value % size:
                     raise TensorParallelError(f"{name}.{attr} = {value} does not divide by tp_size {size}")
                 setattr(mod, attr, value // size)
     shard.tensor_parallel_rank = (rank, size)
     return shard
+
+
+def _kv_rows(attention, spec: ColwiseKV, rank: int, size: int, what: str) -> slice:
+    heads, kv, d = (int(getattr(attention, a)) for a in (spec.heads, spec.kv_heads, spec.head_dim))
+    if heads % size:
+        raise TensorParallelError(f"{what}: {heads} attention heads do not divide by tp_size {size}")
+    if size <= kv:
+        if kv % size:
+            raise TensorParallelError(f"{what}: {kv} key/value heads do not divide by tp_size {size}")
+        per = kv // size
+        return slice(rank * per * d, (rank + 1) * per * d)
+    if size % kv:
+        raise TensorParallelError(f"{what}: tp_size {size} is not a multiple of the {kv} key/value heads")
+    head = rank * kv // size  # the KV head this rank's query heads share
+    return slice(head * d, (head + 1) * d)
+
+
+def encoder_valid_sizes(root: torch.nn.Module, plan, limit: int = 256) -> list[int]:
+    """World sizes a text encoder splits over: every planned layer must cut evenly."""
+    valid = []
+    for n in range(1, limit + 1):
+        try:
+            _check_splits(root, plan.tensor_parallel, n)
+        except TensorParallelError:
+            continue
+        valid.append(n)
+    return valid
+
+
+def _check_splits(root: torch.nn.Module, plan: "TensorParallelPlan", size: int) -> None:
+    """Raise TensorParallelError if some planned layer or attribute does not split over ``size``."""
+    from .plans.base import matching_modules
+
+    for name, mod, spec in layer_specs(root, plan):
+        parent = _parent(root, name)
+        if isinstance(spec, ColwiseKV):
+            _kv_rows(parent, spec, 0, size, name)
+        elif isinstance(spec, Colwise):
+            for s in _segment_sizes(spec, parent, mod, mod.weight.shape[spec.dim]):
+                if s % size:
+                    raise TensorParallelError(name)
+        elif isinstance(spec, Rowwise):
+            for s in _segment_sizes(spec, parent, mod, mod.weight.shape[1]):
+                if s % size:
+                    raise TensorParallelError(name)
+    for pattern, attrs in plan.divide.items():
+        for _, mod in matching_modules(root, pattern):
+            for attr in attrs:
+                attr, _, rule = attr.partition(":")
+                value = getattr(mod, attr)
+                if not (rule == "kv" and value < size) and value % size:
+                    raise TensorParallelError(attr)
 
 
 def valid_sizes(root: torch.nn.Module, plan: TensorParallelPlan, heads_attr_value: int) -> list[int]:

@@ -11,11 +11,14 @@ worker then copies its shadow onto its own device.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import io
+import marshal
 import pickle
+import types
 import weakref
 
 import torch
@@ -49,6 +52,8 @@ class _ModulePickler(ForkingPickler):
     def reducer_override(self, obj):
         if isinstance(obj, type) and "<locals>" in obj.__qualname__:
             return _local_class_reduction(obj)
+        if isinstance(obj, types.FunctionType) and ("<lambda>" in obj.__qualname__ or "<locals>" in obj.__qualname__):
+            return _function_by_code(obj)
         if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
             shadow = _shared_cpu(obj)
             if isinstance(obj, torch.nn.Parameter):
@@ -110,6 +115,24 @@ def _local_class_reduction(cls: type):
     return obj
 
 
+def _function_by_code(fn: types.FunctionType):
+    """Rebuild a lambda or local function (ComfyUI's layers keep activations such as
+    ``lambda a: gelu(a, approximate="tanh")``) from its code, in its module's namespace;
+    only builtins and the model's own modules are named in the pickle."""
+    code = (marshal.loads, (marshal.dumps(fn.__code__),))
+    namespace = (vars, (_Deferred((importlib.import_module, (fn.__module__,))),))
+    closure = None
+    if fn.__closure__:
+        closure = tuple(_Deferred((_types_attr("CellType"), (cell.cell_contents,))) for cell in fn.__closure__)
+    return (_types_attr("FunctionType"),
+            (_Deferred(code), _Deferred(namespace), fn.__name__, fn.__defaults__, closure))
+
+
+def _types_attr(name: str):
+    """``types.<name>``, named so that pickle can find it (its builtins name cannot be imported)."""
+    return _Deferred((getattr, (_Deferred((importlib.import_module, ("types",))), name)))
+
+
 class _Deferred:
     """Placeholder so that a reduction tuple can nest another reduction (see __reduce__)."""
 
@@ -118,6 +141,9 @@ class _Deferred:
 
     def __reduce__(self):
         return self.reduction
+
+    def __call__(self, *args, **kwargs):  # pickle checks that a reduction's function is callable
+        raise TypeError("a pickling placeholder is not meant to be called")
 
 
 def module_tensors(module: torch.nn.Module):
@@ -158,6 +184,21 @@ def param_bytes_all(modules) -> int:
     return total
 
 
+@contextlib.contextmanager
+def without_forward_overrides(module: torch.nn.Module):
+    """Hide instance-level ``forward`` attributes (rank 0's dispatch, installed by an object
+    patch on a text encoder) while the module is copied or pickled: the copy is the model."""
+    hidden = []
+    for mod in module.modules():
+        if "forward" in mod.__dict__:
+            hidden.append((mod, mod.__dict__.pop("forward")))
+    try:
+        yield
+    finally:
+        for mod, fn in hidden:
+            mod.__dict__["forward"] = fn
+
+
 def pack_module(module: torch.nn.Module) -> bytes:
     """Share the module's CPU tensors in place and pickle it as shared-memory handles."""
     use_shared_memory_strategy()
@@ -166,7 +207,8 @@ def pack_module(module: torch.nn.Module) -> bytes:
             _shared_cpu(t)
     buf = io.BytesIO()
     try:
-        _ModulePickler(buf, pickle.HIGHEST_PROTOCOL).dump(module)
+        with without_forward_overrides(module):
+            _ModulePickler(buf, pickle.HIGHEST_PROTOCOL).dump(module)
     except Exception as exc:
         raise RuntimeError(f"cannot send {type(module).__name__} to the other ranks: {exc}. Some node attached "
                            "an object to the model that cannot be shared between processes") from exc

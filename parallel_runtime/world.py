@@ -335,12 +335,15 @@ class World:
         check_plan_matches(module, plan)
         key = entry["key"] if entry else f"m{next(self._model_keys)}"
         started = time.perf_counter()
-        tp = self.mesh.size("tp")
+        # Text encoders are sliced over every rank, transformers over the tp dimension.
+        tp_dim = "world" if plan.kind == "encoder" else "tp"
+        tp = self.mesh.size(tp_dim)
         if tp > 1:
             # Each TP rank's slices, cut from the weights as ComfyUI patched them (LoRA merged).
             shards = {r: build_shard(module, plan.tensor_parallel, r, tp) for r in range(tp)}
-            run_module = shards[self.mesh.local_rank("tp")]
-            module_of = lambda w: shards[self.layout.coords(w.rank)["tp"]]  # noqa: E731
+            run_module = shards[self.mesh.local_rank(tp_dim)]
+            position = (lambda w: w.rank) if tp_dim == "world" else (lambda w: self.layout.coords(w.rank)["tp"])
+            module_of = lambda w: shards[position(w)]  # noqa: E731
         else:
             run_module = module
             module_of = lambda w: module  # noqa: E731
@@ -390,11 +393,12 @@ class World:
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
         t0 = time.perf_counter()
         method_name = _method_name(method)
-        bound = inspect.signature(getattr(module, method_name)).bind(*args, **kwargs)
+        bound = inspect.signature(_method_of(module, method_name)).bind(*args, **kwargs)
         check_supported_arguments(plan, bound)
-        options = arguments.get_options(bound)
-        worker_bound = inspect.signature(getattr(module, method_name)).bind(*bound.args, **bound.kwargs)
-        arguments.set_options(worker_bound, protocol.worker_transformer_options(options))
+        worker_bound = inspect.signature(_method_of(module, method_name)).bind(*bound.args, **bound.kwargs)
+        if plan.kind == "transformer":  # text encoders take no transformer_options
+            options = arguments.get_options(bound)
+            arguments.set_options(worker_bound, protocol.worker_transformer_options(options))
         tensors: list = []
         spec = protocol.flatten((worker_bound.args, worker_bound.kwargs), tensors)
         meta = protocol.tensor_meta(tensors)
@@ -414,8 +418,8 @@ class World:
             with self._threads():
                 # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
                 # shard's method directly is what the wrapper chain would have done.
-                call = method if run_module is module else getattr(run_module, method_name)
-                out = run_sharded(run_module, plan, self.mesh, call, getattr(run_module, method_name), bound.args,
+                call = method if run_module is module else _method_of(run_module, method_name)
+                out = run_sharded(run_module, plan, self.mesh, call, _method_of(run_module, method_name), bound.args,
                                   bound.kwargs, distributed_attention=distributed_attention)
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1
@@ -504,6 +508,12 @@ def _pickled_shared(t: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(t)
     return buf.getvalue()
+
+
+def _method_of(module: torch.nn.Module, name: str):
+    """The class's method bound to ``module`` (not an instance-level override such as the
+    dispatch an object patch installs on a text encoder's ``forward``)."""
+    return getattr(type(module), name).__get__(module)
 
 
 def _method_name(method) -> str:

@@ -68,3 +68,25 @@ def tiny_prompt(tiny_server) -> dict:
     from workflows import load, ui_to_api
 
     return ui_to_api(load(REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json"), tiny_server.object_info())
+
+
+def _load_pack_nodes():
+    """The pack's nodes module, imported as a package the way ComfyUI imports the pack."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hybrid_parallel_pack", REPO / "__init__.py",
+                                                  submodule_search_locations=[str(REPO)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hybrid_parallel_pack"] = module
+    spec.loader.exec_module(module)
+    import hybrid_parallel_pack.nodes  # noqa: F401  (the node classes and the runtime they use)
+    import hybrid_parallel_pack.parallel_runtime.comfy_wrappers  # noqa: F401
+    import hybrid_parallel_pack.parallel_runtime.config  # noqa: F401
+    import hybrid_parallel_pack.parallel_runtime.runtime  # noqa: F401
+
+    return module
+
+
+# The pack as ComfyUI loads it (a package with relative imports), for tests that drive its
+# nodes directly; ``parallel_runtime`` imported top-level (as the workers do) is a separate copy.
+PACK = _load_pack_nodes()

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from . import flux, hunyuan_video, ltxv, lumina, qwen_image, wan
+from . import flux, hunyuan_video, ltxv, lumina, qwen_image, text_encoders, wan
 from .base import ModelPlan, check_plan_matches, check_supported_arguments, context_parallel
 
 PLANS: tuple[ModelPlan, ...] = (
     flux.FLUX, flux.CHROMA, wan.PLAN, wan.VACE, qwen_image.PLAN, hunyuan_video.PLAN, ltxv.PLAN,
     lumina.PLAN,
 )
-_BY_FAMILY = {plan.family: plan for plan in PLANS}
+ENCODER_PLANS: tuple[ModelPlan, ...] = text_encoders.PLANS
+_BY_FAMILY = {plan.family: plan for plan in (*PLANS, *ENCODER_PLANS)}
 
 
 def qualified_name(cls: type) -> str:
@@ -32,8 +33,21 @@ def find_plan(module: torch.nn.Module) -> ModelPlan | None:
     return None
 
 
+def find_encoder_plan(module: torch.nn.Module) -> ModelPlan | None:
+    name = qualified_name(type(module))
+    for plan in ENCODER_PLANS:
+        if name in plan.classes:
+            return plan
+    return None
+
+
+def supported_encoders_text() -> str:
+    return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})"
+                     for plan in ENCODER_PLANS)
+
+
 def supported_models_text() -> str:
     return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})" for plan in PLANS)
 
 
-__all__ = ["PLANS", "ModelPlan", "check_plan_matches", "check_supported_arguments", "context_parallel", "find_plan", "plan_for_family", "supported_models_text"]
+__all__ = ["PLANS", "ENCODER_PLANS", "find_encoder_plan", "supported_encoders_text", "ModelPlan", "check_plan_matches", "check_supported_arguments", "context_parallel", "find_plan", "plan_for_family", "supported_models_text"]

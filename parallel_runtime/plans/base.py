@@ -96,10 +96,15 @@ class ModelPlan:
     context_parallel: ContextParallelPlan
     notes: str = ""
     tensor_parallel: "TensorParallelPlan | None" = None
+    # "transformer": the mesh applies (cfg x ring x ulysses x tp). "encoder" (text encoders):
+    # tensor parallel over every rank of the world, once per prompt, no sequence split.
+    kind: str = "transformer"
 
     @property
     def supports(self) -> tuple[str, ...]:
         """Mesh dimensions the plan supports (for the support matrix and the node's checks)."""
+        if self.kind == "encoder":
+            return ("tp",)
         return ("ulysses", "ring", "cfg") + (("tp",) if self.tensor_parallel is not None else ())
 
     def heads(self, module: torch.nn.Module) -> int:

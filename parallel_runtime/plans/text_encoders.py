@@ -1,0 +1,78 @@
+"""Text encoders (ComfyUI's own implementations in ``comfy/text_encoders/``): tensor parallel
+over every rank of the world.
+
+Text encoding runs once per prompt while every rank would otherwise wait, so the
+encoder is sliced over all ranks (N = world size), not over the transformer's tp
+dimension: each rank holds 1/N of every attention and MLP layer; the token
+embedding table and the norms stay whole (reported apart from the layers). The
+hidden states are whole on every rank after each layer (row-parallel outputs are
+all-reduced), so the conditioning rank 0 returns to ComfyUI is the full one.
+
+- T5 / UMT5 (``comfy.text_encoders.t5.T5``: T5-XXL of Flux.1 and SD3, UMT5-XXL of
+  Wan, T5-base): q/k/v column-parallel, o row-parallel; the relative position bias
+  table is cut by head like the attention itself; the (gated) FFN column/row.
+- Llama-family decoders (``Llama2_`` inside Mistral 3, Qwen2.5(-VL), Qwen3, Gemma 2/3
+  wrappers): q column-parallel, k/v by KV head (replicated when there are more ranks
+  than KV heads), o row-parallel, gate/up column, down row. Qwen2.5-VL's vision
+  tower stays whole.
+"""
+from __future__ import annotations
+
+from ..tensor_parallel import Colwise, ColwiseKV, Rowwise, TensorParallelPlan
+from .base import ContextParallelPlan, ModelPlan
+
+NO_SEQUENCE_SPLIT = ContextParallelPlan(inputs={}, outputs={}, attention={})
+
+_T5_ATTENTION = "encoder.block.*.layer.0.SelfAttention"
+_T5_FF = "encoder.block.*.layer.1.DenseReluDense"
+
+T5 = ModelPlan(
+    family="t5",
+    title="T5 / UMT5",
+    classes=("comfy.text_encoders.t5.T5",),
+    heads_attr="encoder.block.0.layer.0.SelfAttention.num_heads",
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="encoder",
+    notes="T5-XXL (Flux.1, SD3), UMT5-XXL (Wan), T5-base",
+    tensor_parallel=TensorParallelPlan(
+        layers={
+            **{f"{_T5_ATTENTION}.{p}": Colwise() for p in ("q", "k", "v")},
+            f"{_T5_ATTENTION}.o": Rowwise(),
+            # [buckets, heads]: one column per head.
+            f"{_T5_ATTENTION}.relative_attention_bias": Colwise(dim=1),
+            f"{_T5_FF}.wi": Colwise(), f"{_T5_FF}.wi_0": Colwise(), f"{_T5_FF}.wi_1": Colwise(),
+            f"{_T5_FF}.wo": Rowwise(),
+        },
+        divide={_T5_ATTENTION: ("num_heads",)},
+        divisible={"feed-forward width": "encoder.block.0.layer.1.DenseReluDense.wo.in_features"},
+        # Gated (T5 v1.1, UMT5) or plain FFN.
+        optional=frozenset({f"{_T5_FF}.wi", f"{_T5_FF}.wi_0", f"{_T5_FF}.wi_1"}),
+    ),
+)
+
+_LLAMA = "model.layers.*"
+
+LLAMA = ModelPlan(
+    family="llama",
+    title="Mistral 3 / Qwen2.5(-VL) / Qwen3 / Gemma 2 / Gemma 3 / Llama",
+    classes=tuple(f"comfy.text_encoders.llama.{c}" for c in
+                  ("Llama2", "Mistral3Small24B", "Qwen25_3B", "Qwen25_7BVLI", "Qwen3_4B", "Gemma2_2B", "Gemma3_4B")),
+    heads_attr="model.layers.0.self_attn.num_heads",
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="encoder",
+    notes="KV heads replicated when ranks outnumber them; Qwen2.5-VL's vision tower stays whole",
+    tensor_parallel=TensorParallelPlan(
+        layers={
+            f"{_LLAMA}.self_attn.q_proj": Colwise(),
+            f"{_LLAMA}.self_attn.k_proj": ColwiseKV(),
+            f"{_LLAMA}.self_attn.v_proj": ColwiseKV(),
+            f"{_LLAMA}.self_attn.o_proj": Rowwise(),
+            f"{_LLAMA}.mlp.gate_proj": Colwise(), f"{_LLAMA}.mlp.up_proj": Colwise(),
+            f"{_LLAMA}.mlp.down_proj": Rowwise(),
+        },
+        divide={f"{_LLAMA}.self_attn": ("num_heads", "num_kv_heads:kv", "inner_size")},
+        divisible={"MLP width": "model.layers.0.mlp.down_proj.in_features"},
+    ),
+)
+
+PLANS = (T5, LLAMA)
