@@ -60,10 +60,10 @@ def main() -> int:
 
     host = json.loads((REPO / ".host" / "host.json").read_text())
     import_comfy(host["comfyui_path"])
-    from tiny_models import write_tiny_wan_files
+    from tiny_models import DEMO_FILES, write_tiny_wan_files
 
     base = Path(opts.base_dir)
-    write_tiny_wan_files(base)
+    write_tiny_wan_files(base, only=DEMO_FILES)
     print(f"ComfyUI base directory: {base}")
     results = []
     with ComfyServer(host["comfyui_path"], base, python=host["python"]) as server:

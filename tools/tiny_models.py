@@ -121,6 +121,26 @@ def hunyuan_video_state_dict(seed: int = 6) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
+def t5_base_state_dict(seed: int = 10) -> dict[str, torch.Tensor]:
+    """T5-base (Stable Audio's text encoder): the smallest text encoder ComfyUI's CLIPLoader
+    detects (~110M parameters); its layers are ComfyUI's T5 class, like T5-XXL and UMT5-XXL."""
+    import json
+
+    import comfy.ops
+    import comfy.text_encoders.t5
+
+    config = json.loads((Path(comfy.text_encoders.t5.__file__).parent / "t5_config_base.json").read_text())
+    model = comfy.text_encoders.t5.T5(config, torch.float32, "cpu", comfy.ops.manual_cast)
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in sorted(model.state_dict().items()):
+        if k.endswith("layer_norm.weight"):
+            sd[k] = 1.0 + 0.05 * torch.randn(v.shape, generator=gen)
+        else:  # about 1/sqrt(fan-in): activations of a trained model's size
+            sd[k] = torch.randn(v.shape, generator=gen) * (0.5 / v.shape[-1] ** 0.5)
+    return sd
+
+
 TINY_FILES = {
     "unet": "tiny_wan21_t2v.safetensors",
     "vae": "tiny_wan21_vae.safetensors",
@@ -129,12 +149,17 @@ TINY_FILES = {
     "prompt_dataset": "tiny_wan_prompt",
     "hunyuan_unet": "tiny_hunyuan_video.safetensors",
     "unet_4heads": "tiny_wan21_t2v_4heads.safetensors",
+    "t5_base": "tiny_t5_base.safetensors",
     "hunyuan_prompt_dataset": "tiny_hunyuan_prompt",
 }
 
 
-def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str, Path]:
-    """Write every file the tiny workflow needs under a ComfyUI base directory. Idempotent."""
+DEMO_FILES = ("unet", "vae", "lora_a", "lora_b", "prompt_dataset")
+
+
+def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -> dict[str, Path]:
+    """Write the tiny model files under a ComfyUI base directory (all, or the names in ``only``,
+    e.g. ``DEMO_FILES``). Idempotent."""
     from safetensors.torch import save_file
 
     base_dir = Path(base_dir)
@@ -146,6 +171,7 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str,
         "prompt_dataset": base_dir / "output" / TINY_FILES["prompt_dataset"],
         "hunyuan_unet": base_dir / "models" / "diffusion_models" / TINY_FILES["hunyuan_unet"],
         "unet_4heads": base_dir / "models" / "diffusion_models" / TINY_FILES["unet_4heads"],
+        "t5_base": base_dir / "models" / "text_encoders" / TINY_FILES["t5_base"],
         "hunyuan_prompt_dataset": base_dir / "output" / TINY_FILES["hunyuan_prompt_dataset"],
     }
     makers = {
@@ -157,17 +183,21 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan()) -> dict[str,
         "hunyuan_unet": hunyuan_video_state_dict,
         # Width 512 = 4 heads of 128 for ComfyUI's detection: room for TP 4 (and TP 2 x Ulysses 2).
         "unet_4heads": lambda: wan_state_dict(TinyWan(dim=512, ffn_dim=1024, num_layers=2), seed=9),
+        "t5_base": t5_base_state_dict,
     }
     for name, make in makers.items():
+        if only is not None and name not in only:
+            continue
         path = paths[name]
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".partial")
             save_file(make(), str(tmp))
             os.replace(tmp, path)
-    if not (paths["prompt_dataset"] / "shard_0000.pkl").exists():
+    if (only is None or "prompt_dataset" in only) and not (paths["prompt_dataset"] / "shard_0000.pkl").exists():
         write_conditioning_dataset(paths["prompt_dataset"], prompt_embedding())
-    if not (paths["hunyuan_prompt_dataset"] / "shard_0000.pkl").exists():
+    if (only is None or "hunyuan_prompt_dataset" in only) and \
+            not (paths["hunyuan_prompt_dataset"] / "shard_0000.pkl").exists():
         pooled = torch.randn(1, 768, generator=torch.Generator().manual_seed(8))
         write_conditioning_dataset(paths["hunyuan_prompt_dataset"], prompt_embedding(tokens=9, seed=7, text_dim=64),
                                    extra={"pooled_output": pooled})
