@@ -1,7 +1,7 @@
 """The support matrix, rendered from the plans (the README's table is generated, not written)."""
 from __future__ import annotations
 
-from . import PLANS
+from . import ENCODER_PLANS, PLANS
 
 COLUMNS = (("Ulysses", ("ulysses",)), ("Ring", ("ring",)), ("USP", ("ring", "ulysses")), ("CFG", ("cfg",)),
            ("TP", ("tp",)))
@@ -17,4 +17,9 @@ def render() -> str:
         classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
         cells = ["yes" if all(d in plan.supports for d in dims) else "not yet" for _, dims in COLUMNS]
         rows.append(f"| {plan.title} | {classes} | " + " | ".join(cells) + f" | {plan.notes} |")
-    return "\n".join([BEGIN, header, rule, *rows, END])
+    encoders = ["", "Text encoders (Shard Text Encoder, tensor parallel over all ranks):", "",
+                "| Encoder | Model classes | Notes |", "|---|---|---|"]
+    for plan in ENCODER_PLANS:
+        classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
+        encoders.append(f"| {plan.title} | {classes} | {plan.notes} |")
+    return "\n".join([BEGIN, header, rule, *rows, *encoders, END])
