@@ -20,9 +20,10 @@ def _register_routes() -> None:
         return
     if getattr(PromptServer, "instance", None) is None:
         return
-    from .parallel_runtime.status_route import register
+    from .nodes.host import host_devices
+    from .parallel_runtime.routes import register
 
-    register(PromptServer.instance.routes)
+    register(PromptServer.instance.routes, host_devices)
 
 
 __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]

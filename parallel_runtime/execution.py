@@ -26,6 +26,11 @@ def sequence_parallel(mesh: ProcessMesh) -> SequenceParallel:
 def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
                 args: tuple, kwargs: dict, *, distributed_attention: bool = True):
     """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has)."""
+    if plan.kind == "vae":  # every rank decodes (or encodes) a band of rows; see vae_parallel
+        from .vae_parallel import run_vae
+
+        return run_vae(module, plan, mesh.group("world"), mesh.size("world"), mesh.local_rank("world"), call,
+                       args, kwargs)
     if plan.kind == "encoder":  # every rank holds a slice of every layer; the whole input everywhere
         with tensor_parallel(module, plan.tensor_parallel, mesh.group("world"), mesh.size("world")):
             return call(*args, **kwargs)

@@ -337,7 +337,7 @@ class World:
         started = time.perf_counter()
         # Text encoders are sliced over every rank, transformers over the tp dimension.
         tp_dim = "world" if plan.kind == "encoder" else "tp"
-        tp = self.mesh.size(tp_dim)
+        tp = self.mesh.size(tp_dim) if plan.tensor_parallel is not None else 1
         if tp > 1:
             # Each TP rank's slices, cut from the weights as ComfyUI patched them (LoRA merged).
             shards = {r: build_shard(module, plan.tensor_parallel, r, tp) for r in range(tp)}

@@ -132,8 +132,8 @@ class ComfyServer:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
             return json.loads(resp.read() or b"null")
 
-    def post(self, path: str, payload: dict | None = None, timeout: float = 30):
-        data = json.dumps(payload or {}).encode()
+    def post(self, path: str, payload=None, timeout: float = 30):
+        data = json.dumps({} if payload is None else payload).encode()
         req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()

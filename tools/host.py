@@ -38,7 +38,10 @@ if platform.machine() in ("aarch64", "arm64"):
 else:
     TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]
 # Imported by ComfyUI or by our tests but not listed in its requirements.txt.
-EXTRA_PACKAGES = ["requests", "psutil", "pytest", "websocket-client"]
+EXTRA_PACKAGES = ["requests", "psutil", "pytest", "websocket-client", "selenium"]
+# Debian packages for the browser test (headless Chromium and its WebDriver).
+BROWSER_PACKAGES = ("chromium", "chromium-driver")
+BROWSER_BINARIES = ("/usr/bin/chromium", "/usr/bin/chromedriver")
 # Left out of ComfyUI's list: torchaudio has no build for the pinned torch here;
 # without it ComfyUI only disables its audio nodes.
 SKIPPED_REQUIREMENTS = ("torch", "torchvision", "torchaudio")
@@ -146,11 +149,30 @@ def setup() -> dict:
     return info
 
 
+def ensure_browser() -> None:
+    """Chromium and ChromeDriver from Debian's packages, for tests/test_browser.py."""
+    if all(Path(b).exists() for b in BROWSER_BINARIES):
+        return
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        log("cannot install chromium here (needs apt-get as root); the browser test will fail with that reason")
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    log("installing chromium and chromium-driver (Debian packages)")
+    result = subprocess.run([apt, "install", "-y", "-q", *BROWSER_PACKAGES], env=env, capture_output=True, text=True)
+    if result.returncode != 0:  # stale package lists on a fresh machine
+        run([apt, "update", "-q"], env=env, stdout=subprocess.DEVNULL)
+        run([apt, "install", "-y", "-q", *BROWSER_PACKAGES], env=env, stdout=subprocess.DEVNULL)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print-env", action="store_true", help="print shell assignments of the resolved paths")
+    parser.add_argument("--browser", action="store_true", help="also install Chromium for the browser test")
     opts = parser.parse_args()
     info = setup()
+    if opts.browser:
+        ensure_browser()
     if opts.print_env:
         print(f"HOST_PYTHON={info['python']}")
         print(f"COMFYUI_PATH={info['comfyui_path']}")

@@ -1,35 +1,79 @@
-// Shows the world size (product of the sizes) on the Parallel Config node while it is edited.
+// Parallel Config on the canvas: the resulting world size, and any problem with the inputs,
+// shown on the node itself while it is edited (before the prompt is queued). The check is the
+// server's own (POST /parallel/validate), so the node and the runtime never disagree.
 import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
 
-const SIZE_WIDGETS = ["ulysses_size", "ring_size", "tp_size", "cfg_size"];
+const INPUTS = ["ulysses_size", "ring_size", "tp_size", "cfg_size", "devices", "backend"];
 
-function worldSize(node) {
-  let size = 1;
-  for (const name of SIZE_WIDGETS) {
+function inputValues(node) {
+  const values = {};
+  for (const name of INPUTS) {
     const widget = node.widgets?.find((w) => w.name === name);
-    const value = Number(widget?.value ?? 1);
-    if (!Number.isInteger(value) || value < 1) return null;
-    size *= value;
+    if (widget) values[name] = widget.value;
   }
-  return size;
+  return values;
+}
+
+async function validate(node) {
+  const ticket = (node.__parallelTicket = (node.__parallelTicket || 0) + 1);
+  let result;
+  try {
+    const response = await api.fetchApi("/parallel/validate", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(inputValues(node)),
+    });
+    result = await response.json();
+  } catch (error) {
+    result = { ok: false, message: `could not reach /parallel/validate: ${error}` };
+  }
+  if (ticket !== node.__parallelTicket) return; // a newer edit is being checked
+  node.parallelValidation = result;
+  const box = node.__parallelMessage;
+  if (box) {
+    box.textContent = result.message;
+    box.dataset.ok = result.ok ? "true" : "false";
+    box.style.color = result.ok ? "#8c8" : "#f77";
+  }
+  node.setDirtyCanvas?.(true, true);
 }
 
 app.registerExtension({
   name: "hybrid_parallel.parallel_config",
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name !== "ParallelConfig") return;
-    const onDrawForeground = nodeType.prototype.onDrawForeground;
-    nodeType.prototype.onDrawForeground = function (ctx) {
-      onDrawForeground?.apply(this, arguments);
-      if (this.flags?.collapsed) return;
-      const size = worldSize(this);
-      const text = size === null ? "invalid size" : `world size ${size}`;
-      ctx.save();
-      ctx.font = "12px sans-serif";
-      ctx.fillStyle = size === null ? "#f66" : "#9c9";
-      ctx.textAlign = "right";
-      ctx.fillText(text, this.size[0] - 8, -8);
-      ctx.restore();
+
+    const onNodeCreated = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      onNodeCreated?.apply(this, arguments);
+      const box = document.createElement("div");
+      box.className = "hybrid-parallel-validation";
+      box.style.cssText = "font: 12px sans-serif; padding: 2px 6px; white-space: normal; overflow-wrap: anywhere;";
+      box.textContent = "…";
+      this.__parallelMessage = box;
+      this.addDOMWidget?.("validation", "parallel_validation", box, { serialize: false });
+      for (const widget of this.widgets ?? []) {
+        if (!INPUTS.includes(widget.name)) continue;
+        const callback = widget.callback;
+        const node = this;
+        widget.callback = function () {
+          const out = callback?.apply(this, arguments);
+          clearTimeout(node.__parallelTimer);
+          node.__parallelTimer = setTimeout(() => validate(node), 150);
+          return out;
+        };
+      }
+      setTimeout(() => validate(this), 0);
+    };
+
+    const onConfigure = nodeType.prototype.onConfigure;
+    nodeType.prototype.onConfigure = function () {
+      onConfigure?.apply(this, arguments);
+      setTimeout(() => validate(this), 0); // values loaded from a workflow
     };
   },
 });
+
+// For tests and other extensions: re-check a node after setting widget values from code.
+window.hybridParallelValidate = validate;

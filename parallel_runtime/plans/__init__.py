@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import flux, hunyuan_video, ltxv, lumina, qwen_image, text_encoders, wan
+from . import flux, hunyuan_video, ltxv, lumina, qwen_image, text_encoders, vae, wan
 from .base import ModelPlan, check_plan_matches, check_supported_arguments, context_parallel
 
 PLANS: tuple[ModelPlan, ...] = (
@@ -12,7 +12,8 @@ PLANS: tuple[ModelPlan, ...] = (
     lumina.PLAN,
 )
 ENCODER_PLANS: tuple[ModelPlan, ...] = text_encoders.PLANS
-_BY_FAMILY = {plan.family: plan for plan in (*PLANS, *ENCODER_PLANS)}
+VAE_PLANS: tuple[ModelPlan, ...] = vae.PLANS
+_BY_FAMILY = {plan.family: plan for plan in (*PLANS, *ENCODER_PLANS, *VAE_PLANS)}
 
 
 def qualified_name(cls: type) -> str:
@@ -41,6 +42,11 @@ def find_encoder_plan(module: torch.nn.Module) -> ModelPlan | None:
     return None
 
 
+def find_vae_plan(module: torch.nn.Module) -> ModelPlan | None:
+    """The band plan for a VAE (``first_stage_model``), or None; ``vae.check_vae`` says why not."""
+    return vae.find_vae_plan(module)
+
+
 def supported_encoders_text() -> str:
     return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})"
                      for plan in ENCODER_PLANS)
@@ -50,4 +56,4 @@ def supported_models_text() -> str:
     return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})" for plan in PLANS)
 
 
-__all__ = ["PLANS", "ENCODER_PLANS", "find_encoder_plan", "supported_encoders_text", "ModelPlan", "check_plan_matches", "check_supported_arguments", "context_parallel", "find_plan", "plan_for_family", "supported_models_text"]
+__all__ = ["PLANS", "ENCODER_PLANS", "VAE_PLANS", "find_encoder_plan", "find_vae_plan", "supported_encoders_text", "ModelPlan", "check_plan_matches", "check_supported_arguments", "context_parallel", "find_plan", "plan_for_family", "supported_models_text"]

@@ -98,7 +98,9 @@ class ModelPlan:
     tensor_parallel: "TensorParallelPlan | None" = None
     # "transformer": the mesh applies (cfg x ring x ulysses x tp). "encoder" (text encoders):
     # tensor parallel over every rank of the world, once per prompt, no sequence split.
+    # "vae": spatial bands over every rank of the world (parallel_runtime/vae_parallel.py).
     kind: str = "transformer"
+    vae: object = None  # the VAE's band plan (plans/vae.py), for kind "vae"
 
     @property
     def supports(self) -> tuple[str, ...]:

@@ -1,0 +1,265 @@
+"""VAEs: every rank decodes (or encodes) a band of image rows, exactly.
+
+A band plan says, per family, which modules of the VAE need to see beyond their
+own band and how (``parallel_runtime/vae_parallel.py`` does the rest, the same
+way for every family):
+
+- ``convs``: convolutions. A kernel taller than one row reads rows of the
+  neighbouring bands (a halo, exchanged with the neighbour ranks); zero padding
+  is applied only at the top and bottom of the whole image.
+- ``padded``: convolutions whose input the code around them pads along the rows
+  before the conv runs (ComfyUI's ``Downsample`` pads ``(0, 1)`` with ``F.pad``,
+  Wan's ``CausalConv3d`` pads itself, Wan's ``Resample`` has a ``ZeroPad2d``).
+  On a band those rows are wrong at the band edges; the runtime removes them and
+  treats them as the conv's global padding.
+- ``group_norms``: normalisations over space; their statistics are combined
+  over all ranks.
+- ``attention``: modules that call ``fn(q, k, v)`` on ``[B, C, H, W]`` tensors
+  (attention over all pixels); every rank attends its own query rows to the
+  gathered keys and values. They run at the lowest resolution.
+- ``row_local``: every other module class allowed inside the model. Each of
+  them treats every row on its own, or every pair of rows for a 2x up/down
+  sampler (nearest upsampling, pixel (un)shuffle, average pooling, per-pixel
+  norms): exact on any band whose edges are aligned to the sampling factors.
+  A model holding any class the plan does not name is refused, so a variant
+  with an unknown layer cannot be decoded silently wrong.
+
+Classes are named by qualified name. Convs and norms match through the class
+hierarchy (ComfyUI's ``ops.Conv2d`` is a ``torch.nn.Conv2d``); every other
+class must match exactly (a subclass may do something else).
+
+Time (video VAEs): each rank runs the model's own frame loop on its band; the
+causal time caches hold only the band's rows, so they stay per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .base import ContextParallelPlan, ModelPlan
+
+NO_SEQUENCE_SPLIT = ContextParallelPlan(inputs={}, outputs={}, attention={})
+
+
+@dataclass(frozen=True)
+class PaddedConv:
+    """A conv whose input the forward of ``owner`` pads along the rows first.
+
+    ``conv``: dotted attribute path from the owner to the conv ("" when the owner
+    is the conv itself). ``rows(owner) -> (top, bottom)``: the zero rows added.
+    """
+
+    owner: str
+    conv: str
+    rows: Callable[[torch.nn.Module], tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """``owner`` calls ``getattr(owner, function)(q, k, v)`` with ``[B, C, H, W]`` tensors."""
+
+    owner: str
+    function: str = "optimized_attention"
+
+
+@dataclass(frozen=True)
+class BandPlan:
+    convs: tuple[str, ...]
+    group_norms: tuple[str, ...]
+    attention: tuple[AttentionSite, ...]
+    row_local: tuple[str, ...]
+    # Pixel rows per latent row: the bands of an encode start at multiples of it, so that
+    # every strided conv and pooling sees whole windows.
+    encode_rows: Callable[[torch.nn.Module], int]
+    padded: tuple[PaddedConv, ...] = ()
+    # Why a model of a covered class is not supported after all (None: it is).
+    refuse: Callable[[torch.nn.Module], "str | None"] = field(default=lambda module: None)
+
+    def known(self) -> frozenset[str]:
+        return frozenset((*self.row_local, *(a.owner for a in self.attention), *(p.owner for p in self.padded)))
+
+
+TORCH_CONVS = ("torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d")
+TORCH_GROUP_NORM = ("torch.nn.modules.normalization.GroupNorm",)
+TORCH_ROW_LOCAL = (
+    "torch.nn.modules.module.Module",  # plain containers (``down = nn.Module()``)
+    "torch.nn.modules.container.Sequential", "torch.nn.modules.container.ModuleList",
+    "torch.nn.modules.activation.SiLU", "torch.nn.modules.dropout.Dropout", "torch.nn.modules.linear.Identity",
+)
+
+
+def _zero_pad_rows(pad: torch.nn.Module) -> tuple[int, int]:
+    """Rows a ``ZeroPad2d`` adds (its padding is (left, right, top, bottom)); none for other layers."""
+    if isinstance(pad, torch.nn.ZeroPad2d):
+        return int(pad.padding[2]), int(pad.padding[3])
+    return 0, 0
+
+
+# ---------------------------------------------------------------- 2D KL autoencoder
+_KL = "comfy.ldm.modules.diffusionmodules.model"
+
+
+def _kl_encode_rows(module) -> int:
+    # One 2x Downsample per level but the last; the Flux.2 VAE then folds 2x2 latent pixels
+    # into channels (its batch-norm latent), another factor 2.
+    factor = 2 ** (module.encoder.num_resolutions - 1)
+    return factor * (2 if getattr(module, "bn", None) is not None else 1)
+
+
+KL_BANDS = BandPlan(
+    convs=TORCH_CONVS,
+    group_norms=TORCH_GROUP_NORM,
+    attention=(AttentionSite(f"{_KL}.AttnBlock"),),
+    padded=(PaddedConv(f"{_KL}.Downsample", "conv", lambda m: (0, 1)),),  # F.pad(x, (0, 1, 0, 1)) on 4D input
+    row_local=(
+        *TORCH_ROW_LOCAL,
+        "comfy.ldm.models.autoencoder.AutoencoderKL", "comfy.ldm.models.autoencoder.AutoencodingEngine",
+        "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer",
+        f"{_KL}.Encoder", f"{_KL}.Decoder", f"{_KL}.ResnetBlock",
+        f"{_KL}.Upsample",  # nearest 2x, then a conv
+        # Flux.2: latent batch norm with running statistics (per pixel), 2x2 pixel (un)shuffle.
+        "torch.nn.modules.batchnorm.BatchNorm2d",
+    ),
+    encode_rows=_kl_encode_rows,
+)
+
+KL = ModelPlan(
+    family="vae_kl",
+    title="KL autoencoder (SD1.x / SD2 / SDXL / SD3 / Flux.1 / Flux.2 VAE)",
+    classes=("comfy.ldm.models.autoencoder.AutoencoderKL", "comfy.ldm.models.autoencoder.AutoencodingEngine"),
+    heads_attr="decoder.ch",  # no heads in a VAE; an int every variant has
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="vae",
+    vae=KL_BANDS,
+    notes="row bands; halo exchange per conv, GroupNorm statistics all-reduced, mid-block attention gathers K/V",
+)
+
+# ---------------------------------------------------------------- Wan VAEs
+_WAN = "comfy.ldm.wan.vae"
+_WAN22 = "comfy.ldm.wan.vae2_2"
+
+_WAN_COMMON = (
+    *TORCH_ROW_LOCAL,
+    f"{_WAN}.RMS_norm",  # over channels, per pixel
+    "torch.nn.modules.upsampling.Upsample",  # nearest-exact 2x
+    "torch.nn.modules.padding.ZeroPad2d",  # see the padded conv after it
+)
+
+
+def _wan_padded(resample: str) -> tuple[PaddedConv, ...]:
+    return (
+        # Causal conv: pads rows itself with F.pad(x, self._padding) (left, right, top, bottom, front, back).
+        PaddedConv(f"{_WAN}.CausalConv3d", "", lambda m: (int(m._padding[2]), int(m._padding[3]))),
+        # Down-sampling: ZeroPad2d((0, 1, 0, 1)) then a stride-2 conv (up-sampling has no pad layer).
+        PaddedConv(resample, "resample.1", lambda m: _zero_pad_rows(m.resample[0])),
+    )
+
+
+WAN21_BANDS = BandPlan(
+    convs=TORCH_CONVS,
+    group_norms=TORCH_GROUP_NORM,
+    attention=(AttentionSite(f"{_WAN}.AttentionBlock"),),  # per frame
+    padded=_wan_padded(f"{_WAN}.Resample"),
+    row_local=(*_WAN_COMMON, f"{_WAN}.WanVAE", f"{_WAN}.Encoder3d", f"{_WAN}.Decoder3d", f"{_WAN}.ResidualBlock"),
+    encode_rows=lambda m: 2 ** (len(m.dim_mult) - 1),
+)
+
+WAN21 = ModelPlan(
+    family="vae_wan21",
+    title="Wan 2.1 VAE (Wan 2.1, Wan 2.2 14B, Qwen-Image)",
+    classes=(f"{_WAN}.WanVAE",),
+    heads_attr="z_dim",
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="vae",
+    vae=WAN21_BANDS,
+    notes="row bands; causal time caches per rank; frame attention gathers K/V",
+)
+
+WAN22_BANDS = BandPlan(
+    convs=TORCH_CONVS,
+    group_norms=TORCH_GROUP_NORM,
+    attention=(AttentionSite(f"{_WAN}.AttentionBlock"),),
+    padded=_wan_padded(f"{_WAN22}.Resample"),
+    row_local=(
+        *_WAN_COMMON, f"{_WAN}.ResidualBlock",
+        f"{_WAN22}.WanVAE", f"{_WAN22}.Encoder3d", f"{_WAN22}.Decoder3d", f"{_WAN22}.ResidualBlock",
+        f"{_WAN22}.Down_ResidualBlock", f"{_WAN22}.Up_ResidualBlock",
+        f"{_WAN22}.AvgDown3D", f"{_WAN22}.DupUp3D",  # 2x2 average / duplicate shortcuts
+    ),
+    # 2x2 patchify before the encoder, then one 2x down-sampling per level but the last.
+    encode_rows=lambda m: 2 * 2 ** (len(m.dim_mult) - 1),
+)
+
+WAN22 = ModelPlan(
+    family="vae_wan22",
+    title="Wan 2.2 VAE (Wan 2.2 TI2V 5B)",
+    classes=(f"{_WAN22}.WanVAE",),
+    heads_attr="z_dim",
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="vae",
+    vae=WAN22_BANDS,
+    notes="row bands; causal time caches per rank; frame attention gathers K/V",
+)
+
+PLANS: tuple[ModelPlan, ...] = (KL, WAN21, WAN22)
+
+
+# ---------------------------------------------------------------- lookup
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def matches_any(module: torch.nn.Module, names, *, inherited: bool) -> bool:
+    classes = type(module).__mro__ if inherited else (type(module),)
+    return any(_qualified(c) in names for c in classes)
+
+
+def unknown_layers(module: torch.nn.Module, bands: BandPlan) -> list[str]:
+    """Classes inside ``module`` the band plan does not cover (sorted, each once)."""
+    known = bands.known()
+    layered = (*bands.convs, *bands.group_norms)
+    out = set()
+    for _, m in module.named_modules():
+        if matches_any(m, known, inherited=False) or matches_any(m, layered, inherited=True):
+            continue
+        out.add(_qualified(type(m)))
+    return sorted(out)
+
+
+def supported_vaes_text() -> str:
+    return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})" for plan in PLANS)
+
+
+def _plan_of_class(module: torch.nn.Module) -> ModelPlan | None:
+    name = _qualified(type(module))
+    for plan in PLANS:
+        if name in plan.classes:
+            return plan
+    return None
+
+
+def check_vae(module: torch.nn.Module) -> ModelPlan:
+    """The band plan for this VAE (``first_stage_model`` of ComfyUI's ``VAE``), or a
+    ValueError that names the class and the supported ones."""
+    name = _qualified(type(module))
+    plan = _plan_of_class(module)
+    if plan is None:
+        raise ValueError(f"parallel VAE: {name} is not supported. Supported VAEs: {supported_vaes_text()}")
+    unknown = unknown_layers(module, plan.vae)
+    if unknown:
+        raise ValueError(f"parallel VAE: this {type(module).__name__} contains layers the {plan.title} plan does "
+                         f"not cover ({', '.join(unknown)}), so it cannot be split into row bands exactly. "
+                         f"Supported VAEs: {supported_vaes_text()}")
+    why = plan.vae.refuse(module)
+    if why:
+        raise ValueError(f"parallel VAE: this {type(module).__name__} is not supported: {why}")
+    return plan
+
+
+def find_vae_plan(module: torch.nn.Module) -> ModelPlan | None:
+    try:
+        return check_vae(module)
+    except ValueError:
+        return None

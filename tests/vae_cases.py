@@ -1,0 +1,110 @@
+"""Tiny VAEs of every family the parallel VAE supports, built from ComfyUI's own classes with
+seeded random weights, and inputs whose height does not divide by the world size.
+
+Each case returns ``(module, decode_input, encode_input)``. Heights are 13 latent rows
+(13 x 8 or 13 x 16 pixel rows), so that neither 2 nor 4 ranks split them evenly.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+VAES = {}
+LATENT_ROWS = 13
+
+
+def vae_case(name):
+    def register(fn):
+        VAES[name] = fn
+        return fn
+    return register
+
+
+def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights that keep activations around unit scale through a deep random net
+    (ComfyUI's layers skip initialisation, so every tensor is set here)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            if p.ndim >= 2:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(fan_in)))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            else:  # norm scales
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
+        for name, b in sorted(module.named_buffers()):
+            if name.endswith("running_mean"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+            elif name.endswith("running_var"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+    return module.eval().requires_grad_(False)
+
+
+def _inputs(seed: int, latent: tuple, pixels: tuple):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(latent, generator=gen), torch.rand(pixels, generator=gen) * 2 - 1
+
+
+def kl_ddconfig(**extra) -> dict:
+    # Channels are multiples of 32: ComfyUI's GroupNorm has 32 groups. Three 2x levels: factor 8.
+    return {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 32,
+            "ch_mult": [1, 2, 2, 2], "num_res_blocks": 1, "attn_resolutions": [], "dropout": 0.0, **extra}
+
+
+@vae_case("kl_sd")
+def kl_sd():
+    """SD1.x / SDXL layout: AutoencoderKL with quant convs, 4 latent channels; a batch of 2."""
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    vae = randomize(AutoencoderKL(ddconfig=kl_ddconfig(), embed_dim=4), 1)
+    z, x = _inputs(11, (2, 4, LATENT_ROWS, 6), (2, 3, LATENT_ROWS * 8, 40))
+    return vae, z, x
+
+
+@vae_case("kl_flux1")
+def kl_flux1():
+    """SD3 / Flux.1 layout: AutoencodingEngine without quant convs, 16 latent channels."""
+    from comfy.ldm.models.autoencoder import AutoencodingEngine
+
+    model = "comfy.ldm.modules.diffusionmodules.model"
+    config = kl_ddconfig(z_channels=16)
+    vae = randomize(AutoencodingEngine(
+        regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+        encoder_config={"target": f"{model}.Encoder", "params": config},
+        decoder_config={"target": f"{model}.Decoder", "params": config}), 2)
+    z, x = _inputs(12, (1, 16, LATENT_ROWS, 5), (1, 3, LATENT_ROWS * 8, 48))
+    return vae, z, x
+
+
+@vae_case("kl_flux2")
+def kl_flux2():
+    """Flux.2 layout: AutoencoderKL with the batch-norm latent (2x2 pixels folded into channels)."""
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    vae = randomize(AutoencoderKL(ddconfig=kl_ddconfig(batch_norm_latent=True), embed_dim=4), 3)
+    z, x = _inputs(13, (1, 16, LATENT_ROWS, 3), (1, 3, LATENT_ROWS * 16, 32))
+    return vae, z, x
+
+
+@vae_case("wan21")
+def wan21():
+    """Wan 2.1 VAE (also Qwen-Image's): 3 latent frames decode to 9, 5 frames encode to 2."""
+    from comfy.ldm.wan.vae import WanVAE
+
+    vae = randomize(WanVAE(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                           temperal_downsample=[False, True, True]), 4)
+    z, x = _inputs(14, (1, 16, 3, LATENT_ROWS, 5), (1, 3, 5, LATENT_ROWS * 8, 40))
+    return vae, z, x
+
+
+@vae_case("wan22")
+def wan22():
+    """Wan 2.2 VAE (TI2V 5B): 2x2 patchify around a factor-8 encoder / decoder."""
+    from comfy.ldm.wan.vae2_2 import WanVAE
+
+    vae = randomize(WanVAE(dim=8, dec_dim=8, z_dim=8, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                           temperal_downsample=[False, True, True]), 5)
+    z, x = _inputs(15, (1, 8, 2, LATENT_ROWS, 3), (1, 3, 5, LATENT_ROWS * 16, 32))
+    return vae, z, x

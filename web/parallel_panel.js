@@ -1,0 +1,96 @@
+// A "Parallel" tab in ComfyUI's sidebar: the mesh and, for every rank, its device, liveness,
+// memory, weights and last step time, from GET /parallel/status, refreshed every second while
+// the tab is open and at once when a prompt starts or finishes.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const MB = 1024 * 1024;
+const fmtMB = (bytes) => (bytes == null ? "–" : `${(bytes / MB).toFixed(0)} MB`);
+const fmtMs = (ms) => (ms == null ? "–" : `${ms.toFixed(ms < 100 ? 1 : 0)} ms`);
+
+function el(tag, attrs = {}, children = []) {
+  const node = document.createElement(tag);
+  const { dataset, ...rest } = attrs;
+  Object.assign(node, rest);
+  Object.assign(node.dataset, dataset ?? {});
+  for (const child of children) node.append(child);
+  return node;
+}
+
+function render(root, status) {
+  const mesh = Object.entries(status.mesh || {})
+    .filter(([, size]) => size > 1)
+    .map(([dim, size]) => `${dim} ${size}`)
+    .join(" × ") || "single rank";
+  const header = el("div", { className: "hp-header" }, [
+    el("div", { textContent: `World size ${status.world_size} — ${mesh}` }),
+    el("div", { textContent: `state: ${status.state}${status.backend ? ` · ${status.backend}` : ""}` }),
+  ]);
+  const rows = (status.ranks || []).map((r) =>
+    el("tr", { className: "hp-rank", dataset: { rank: r.rank } }, [
+      el("td", { textContent: r.rank }),
+      el("td", { textContent: r.device ?? "–" }),
+      el("td", { textContent: r.alive ? "●" : "✕", style: `color:${r.alive ? "#6c6" : "#f66"}` }),
+      el("td", { textContent: fmtMB(r.pss_bytes ?? r.rss_bytes) }),
+      el("td", { textContent: fmtMB(r.param_bytes) }),
+      el("td", { textContent: fmtMs(r.last_forward_ms), className: "hp-last-ms" }),
+      el("td", { textContent: r.forwards ?? 0, className: "hp-forwards" }),
+    ]),
+  );
+  const table = el("table", { className: "hp-ranks" }, [
+    el("thead", {}, [el("tr", {}, ["rank", "device", "alive", "memory", "weights", "last step", "steps"]
+      .map((h) => el("th", { textContent: h })))]),
+    el("tbody", {}, rows),
+  ]);
+  const failure = status.last_failure
+    ? [el("div", { className: "hp-failure", textContent: `last failure: ${status.last_failure.message.split("\n")[0]}` })]
+    : [];
+  root.replaceChildren(header, table, ...failure);
+}
+
+const style = `
+.hp-panel { padding: 8px; font: 12px sans-serif; }
+.hp-panel .hp-header { margin-bottom: 6px; line-height: 1.5; }
+.hp-panel table { width: 100%; border-collapse: collapse; }
+.hp-panel th, .hp-panel td { text-align: left; padding: 2px 4px; border-bottom: 1px solid #4444; }
+.hp-panel .hp-failure { color: #f77; margin-top: 6px; white-space: pre-wrap; }
+`;
+
+app.registerExtension({
+  name: "hybrid_parallel.status_panel",
+  async setup() {
+    document.head.append(el("style", { textContent: style }));
+    let root = null;
+    let timer = null;
+    const refresh = async () => {
+      if (!root?.isConnected) return;
+      try {
+        const response = await api.fetchApi("/parallel/status");
+        render(root, await response.json());
+      } catch (error) {
+        root.textContent = `could not read /parallel/status: ${error}`;
+      }
+    };
+    app.extensionManager.registerSidebarTab({
+      id: "hybrid-parallel",
+      icon: "pi pi-sitemap",
+      title: "Parallel",
+      tooltip: "Parallel ranks: mesh, devices, memory, step times",
+      type: "custom",
+      render: (container) => {
+        root = el("div", { className: "hp-panel", id: "hybrid-parallel-panel", textContent: "…" });
+        container.replaceChildren(root);
+        refresh();
+        clearInterval(timer);
+        timer = setInterval(refresh, 1000);
+      },
+      destroy: () => {
+        clearInterval(timer);
+        root = null;
+      },
+    });
+    for (const event of ["execution_start", "executed", "execution_success", "execution_error"]) {
+      api.addEventListener(event, refresh);
+    }
+  },
+});
