@@ -143,6 +143,7 @@ class _Server:
         from parallel_runtime.execution import run_sharded
 
         started = time.perf_counter()
+        self._maybe_inject_fault()
         module, plan = self.models[key]
         tensors = protocol.broadcast_tensors(None, meta, self.device)
         args, kwargs = protocol.unflatten(spec, tensors)
@@ -154,6 +155,17 @@ class _Server:
         row[0] = (time.perf_counter() - started) * 1e3
         row[2] += 1
         row[3] = time.time()
+
+    def _maybe_inject_fault(self) -> None:
+        """Failure drills: PARALLEL_FAULT_INJECT="raise:<rank>:<n>" makes that rank raise on its
+        n-th forward, so that error reporting can be tested end to end."""
+        spec = os.environ.get("PARALLEL_FAULT_INJECT", "")
+        kind, _, rest = spec.partition(":")
+        rank, _, nth = rest.partition(":")
+        if kind == "raise" and rank.isdigit() and int(rank) == self.rank:
+            self.forwards_seen = getattr(self, "forwards_seen", 0) + 1
+            if self.forwards_seen == int(nth or 1):
+                raise RuntimeError(f"injected fault on rank {self.rank} (PARALLEL_FAULT_INJECT={spec})")
 
     def on_ping(self) -> None:
         self.conn.send(("pong", self.rank))

@@ -119,6 +119,21 @@ def test_video_frames_and_time_caches(runtime, built):
     assert (out - ref).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("case", ["kl_sd", "wan21"])
+def test_encode_rows_that_do_not_fill_a_latent_row(runtime, built, case):
+    """ComfyUI crops pixels to whole latent rows, but ``encode`` also takes 108 rows
+    (13.5 latent rows): the leftover rows join the last band, as the untiled encode sees them."""
+    world = world_of(runtime, 4)
+    vae, _, x = built(case)[:3]
+    x = torch.cat([x, x[..., :4, :]], dim=-2)
+    with torch.inference_mode():
+        ref = vae.encode(x)
+    out = parallel(world, vae, "encode", x)
+    assert vae_parallel.last_run["sizes"][-1] == 28
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() <= TOL
+
+
 def test_too_few_rows_runs_whole_on_every_rank(runtime, built):
     """3 latent rows over 4 ranks: a band per rank is impossible; every rank computes the
     whole decode (exact, no collective that a rank could miss)."""
