@@ -6,8 +6,9 @@ from comfy_api.latest import ComfyExtension, io
 from .parallel_config import ParallelConfigNode
 from .shard_text_encoder import ShardTextEncoderNode
 from .shard_transformer import ShardTransformerNode
+from .shard_vae import ShardVAENode
 
-NODES = [ParallelConfigNode, ShardTransformerNode, ShardTextEncoderNode]
+NODES = [ParallelConfigNode, ShardTransformerNode, ShardTextEncoderNode, ShardVAENode]
 
 
 class HybridParallelExtension(ComfyExtension):

@@ -80,3 +80,28 @@ class ShardedEncoderForward:
         forward = type(self.module).forward.__get__(self.module)
         with interrupts.deferred():
             return world.forward(self.module, plan_for_family(self.family), forward, args, kwargs)
+
+
+class ShardedFirstStage:
+    """Stands in for a VAE's ``first_stage_model`` on a copy of ComfyUI's VAE object: decode and
+    encode run on every rank, each on a band of rows (vae_parallel); everything else is the model's."""
+
+    def __init__(self, module, config: ParallelConfig, family: str):
+        self._module = module
+        self._config = config
+        self._family = family
+
+    def _dispatch(self, method: str, args, kwargs):
+        world = RUNTIME.world_for(self._config)
+        bound = getattr(type(self._module), method).__get__(self._module)
+        with interrupts.deferred():
+            return world.forward(self._module, plan_for_family(self._family), bound, args, kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self._dispatch("decode", args, kwargs)
+
+    def encode(self, *args, **kwargs):
+        return self._dispatch("encode", args, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)

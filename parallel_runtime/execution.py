@@ -30,7 +30,7 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
         from .vae_parallel import run_vae
 
         return run_vae(module, plan, mesh.group("world"), mesh.size("world"), mesh.local_rank("world"), call,
-                       args, kwargs)
+                       args, kwargs, communicate=distributed_attention)
     if plan.kind == "encoder":  # every rank holds a slice of every layer; the whole input everywhere
         with tensor_parallel(module, plan.tensor_parallel, mesh.group("world"), mesh.size("world")):
             return call(*args, **kwargs)

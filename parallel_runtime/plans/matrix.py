@@ -1,7 +1,7 @@
 """The support matrix, rendered from the plans (the README's table is generated, not written)."""
 from __future__ import annotations
 
-from . import ENCODER_PLANS, PLANS
+from . import ENCODER_PLANS, PLANS, VAE_PLANS
 
 COLUMNS = (("Ulysses", ("ulysses",)), ("Ring", ("ring",)), ("USP", ("ring", "ulysses")), ("CFG", ("cfg",)),
            ("TP", ("tp",)))
@@ -22,4 +22,9 @@ def render() -> str:
     for plan in ENCODER_PLANS:
         classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
         encoders.append(f"| {plan.title} | {classes} | {plan.notes} |")
-    return "\n".join([BEGIN, header, rule, *rows, *encoders, END])
+    vaes = ["", "VAEs (Shard VAE, row bands over all ranks, exact):", "", "| VAE | Model classes | Notes |",
+            "|---|---|---|"]
+    for plan in VAE_PLANS:
+        classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
+        vaes.append(f"| {plan.title} | {classes} | {plan.notes} |")
+    return "\n".join([BEGIN, header, rule, *rows, *encoders, *vaes, END])

@@ -1,0 +1,61 @@
+"""Shard VAE end to end: the tiny Wan 2.1 VAE behind Shard VAE feeding the stock VAEDecode and
+VAEEncode gives the same images and latents as without the node."""
+import copy
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from comfy_server import PromptFailed
+from test_comfy_e2e import TOL, edited, final_latent, status
+from workflows import find_nodes, remove_passthrough
+
+pytestmark = pytest.mark.comfy_server
+
+
+def with_shard_vae(prompt: dict, parallel: dict) -> dict:
+    """The tiny workflow unsharded except for the VAE, plus a round trip through VAEEncode."""
+    p = remove_passthrough(prompt, "ShardTransformer", "model")
+    (vae_loader,) = find_nodes(p, "VAELoader")
+    (decode,) = find_nodes(p, "VAEDecode")
+    p["60"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
+                                                          "cfg_size": 1, "devices": "auto", "backend": "auto",
+                                                          **parallel}}
+    p["61"] = {"class_type": "ShardVAE", "inputs": {"vae": [vae_loader, 0], "parallel_config": ["60", 0]}}
+    p[decode]["inputs"]["vae"] = ["61", 0]
+    p["62"] = {"class_type": "VAEEncode", "inputs": {"pixels": [decode, 0], "vae": ["61", 0]}}
+    p["63"] = {"class_type": "SaveLatent", "inputs": {"samples": ["62", 0], "filename_prefix": "latents/reencoded"}}
+    for node_id in find_nodes(p, "SaveLatent"):
+        if node_id != "63":
+            del p[node_id]
+    return p
+
+
+def outputs(server, prompt):
+    entry = server.run(prompt, timeout=300)
+    images = [np.asarray(Image.open(path)).astype(np.int16) for path in server.outputs(entry, "images")]
+    from safetensors.torch import load_file
+
+    (latent,) = server.outputs(entry, "latents")
+    return images, load_file(str(latent))["latent_tensor"]
+
+
+def test_shard_vae_decodes_and_encodes_like_one_device(tiny_server, tiny_prompt):
+    sharded = with_shard_vae(edited(tiny_prompt, KSampler={"seed": 303}), {"ulysses_size": 2})
+    images_ref, latent_ref = outputs(tiny_server, remove_passthrough(sharded, "ShardVAE", "vae"))
+    images, latent = outputs(tiny_server, sharded)
+    assert len(images) == len(images_ref) == 9
+    pixel_diff = max(int(np.abs(a - b).max()) for a, b in zip(images, images_ref))
+    err = (latent - latent_ref).abs().max().item()
+    print(f"\nShard VAE (2 ranks): images differ by at most {pixel_diff} of 255; re-encoded latents by {err:.2e}")
+    assert pixel_diff <= 1  # a float difference of ~1e-6 can flip one rounding
+    assert err <= TOL
+    ranks = status(tiny_server)["ranks"]
+    assert len(ranks) == 2 and ranks[1]["forwards"] > 0
+
+
+def test_a_shard_vae_config_of_another_world_size_is_refused(tiny_server, tiny_prompt):
+    tiny_server.run(edited(tiny_prompt, KSampler={"seed": 304}), timeout=300)  # a world of 2 is up
+    bad = with_shard_vae(tiny_prompt, {"ulysses_size": 1, "tp_size": 3, "devices": "cpu,cpu,cpu"})
+    with pytest.raises(PromptFailed, match="Shard VAE: the ranks running now form a world of size 2"):
+        tiny_server.run(bad, timeout=120)
