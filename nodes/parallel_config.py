@@ -33,14 +33,22 @@ class ParallelConfigNode(io.ComfyNode):
                                 "'cpu,cpu'. The first device is ComfyUI's own."),
                 io.Combo.Input("backend", options=list(BACKENDS), default="auto",
                                tooltip="auto: NCCL on CUDA devices, gloo on the CPU."),
+                io.String.Input("hosts", default="", optional=True,
+                                tooltip="Several machines: ranks per host in rank order, this one first, e.g. "
+                                        "'local:2,gpu-b:2' ('devices' then lists this machine's ranks). Every other "
+                                        "host runs tools/remote_worker.sh. Empty: one machine."),
+                io.String.Input("rendezvous", default="", optional=True,
+                                tooltip="With several hosts: this machine's address and a free port that the other "
+                                        "hosts can reach, e.g. '10.0.0.1:29600'."),
             ],
             outputs=[ParallelConfigType.Output(display_name="parallel_config")],
         )
 
     @classmethod
-    def validate_inputs(cls, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto"):
+    def validate_inputs(cls, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto",
+                        hosts="", rendezvous=""):
         values = dict(ulysses_size=ulysses_size, ring_size=ring_size, tp_size=tp_size, cfg_size=cfg_size,
-                      devices=devices, backend=backend)
+                      devices=devices, backend=backend, hosts=hosts or "", rendezvous=rendezvous or "")
         if any(v is None for v in values.values()):
             return True  # linked from another node: checked when the node runs
         try:
@@ -50,7 +58,9 @@ class ParallelConfigNode(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, ulysses_size, ring_size, tp_size, cfg_size, devices, backend) -> io.NodeOutput:
+    def execute(cls, ulysses_size, ring_size, tp_size, cfg_size, devices, backend, hosts="",
+                rendezvous="") -> io.NodeOutput:
         config = build_config(ulysses_size=ulysses_size, ring_size=ring_size, tp_size=tp_size, cfg_size=cfg_size,
-                              devices=devices, backend=backend, host=host_devices())
+                              devices=devices, backend=backend, hosts=hosts or "", rendezvous=rendezvous or "",
+                              host=host_devices())
         return io.NodeOutput(config)

@@ -33,9 +33,25 @@ class ParallelConfig:
     ring_size: int = 1
     ulysses_size: int = 1
     tp_size: int = 1
-    devices: tuple[str, ...] = ("cpu",)  # one resolved torch device string per rank
+    devices: tuple[str, ...] = ("cpu",)  # one resolved torch device string per rank ("@host" on other hosts)
     backend: str = "gloo"                 # resolved: "gloo" or "nccl"
     devices_spec: str = field(default="auto", compare=False)
+    # Several hosts: (name, ranks) in rank order, ComfyUI's host first; empty for one host.
+    hosts: tuple[tuple[str, int], ...] = ()
+    rendezvous: str = ""                  # "address:port" rank 0 listens on for the other hosts
+
+    @property
+    def multi_host(self) -> bool:
+        return len(self.hosts) > 1
+
+    def host_of(self, rank: int) -> str | None:
+        """The host a rank runs on (None: ComfyUI's own)."""
+        start = 0
+        for index, (name, count) in enumerate(self.hosts):
+            if start <= rank < start + count:
+                return None if index == 0 else name
+            start += count
+        return None
 
     @property
     def world_size(self) -> int:
@@ -181,13 +197,58 @@ def resolve_backend(spec: str, device_type: str, node: str = NODE) -> str:
     return spec
 
 
+_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def parse_hosts(spec: str, world_size: int, tp_size: int, node: str = NODE) -> tuple[tuple[str, int], ...]:
+    """``"local:2,gpu-b:2"``: ranks per host in rank order, ComfyUI's host first."""
+    text = (spec or "").strip()
+    if not text:
+        return ()
+    valid = "use 'name:ranks' entries separated by commas, this machine first, e.g. 'local:2,gpu-b:2'"
+    hosts = []
+    for item in text.split(","):
+        name, _, count = item.strip().partition(":")
+        if not _HOST_NAME.match(name) or not count.strip().isdigit() or int(count) < 1:
+            raise _fail("hosts", spec, f"entry {item.strip()!r} is not 'name:ranks'; {valid}", node)
+        hosts.append((name, int(count)))
+    names = [n for n, _ in hosts]
+    if len(set(names)) != len(names):
+        raise _fail("hosts", spec, "each host may appear once", node)
+    total = sum(c for _, c in hosts)
+    if total != world_size:
+        raise _fail("hosts", spec, f"it places {total} ranks but the sizes multiply to a world size of "
+                    f"{world_size}", node)
+    for name, count in hosts:
+        if count % tp_size:
+            raise _fail("hosts", spec, f"host {name} has {count} ranks, not a multiple of tp_size {tp_size}: "
+                        "tensor-parallel groups stay inside a host (they talk every layer)", node)
+    return tuple(hosts)
+
+
+def parse_rendezvous(spec: str, node: str = NODE) -> str:
+    text = (spec or "").strip()
+    address, _, port = text.rpartition(":")
+    if not address or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _fail("rendezvous", spec, "give the address of this machine that the other hosts can reach, "
+                    "with a free port, e.g. '10.0.0.1:29600'", node)
+    return text
+
+
 def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto",
-                 host: HostDevices, node: str = NODE) -> ParallelConfig:
+                 host: HostDevices, node: str = NODE, hosts: str = "", rendezvous: str = "") -> ParallelConfig:
     sizes = {"cfg": cfg_size, "ring": ring_size, "ulysses": ulysses_size, "tp": tp_size}
     validate_sizes(sizes, node)
     world_size = cfg_size * ring_size * ulysses_size * tp_size
-    resolved = resolve_devices(parse_devices(devices, node), world_size, host, node)
+    host_list = parse_hosts(hosts, world_size, tp_size, node)
+    local_ranks = host_list[0][1] if host_list else world_size
+    resolved = resolve_devices(parse_devices(devices, node), local_ranks, host, node)
+    if len(host_list) > 1:
+        address = parse_rendezvous(rendezvous, node)
+        resolved = resolved + tuple(f"@{name}" for name, count in host_list[1:] for _ in range(count))
+    else:
+        address, host_list = "", ()
     device_type = resolved[0].split(":")[0]
     return ParallelConfig(cfg_size=cfg_size, ring_size=ring_size, ulysses_size=ulysses_size, tp_size=tp_size,
                           devices=resolved, backend=resolve_backend(backend, device_type, node),
-                          devices_spec=str(devices))
+                          devices_spec=str(devices), hosts=host_list, rendezvous=address)

@@ -138,3 +138,33 @@ def broadcast_tensors(tensors: list[torch.Tensor] | None, meta: list, device: to
             out[i] = piece.to(torch.bool) if dtype == torch.bool else piece
             offset += n
     return out  # type: ignore[return-value]
+
+
+def _groups(meta: list) -> dict:
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (_, dtype) in enumerate(meta):
+        by_dtype.setdefault(dtype, []).append(i)
+    return by_dtype
+
+
+def send_tensors(tensors: list[torch.Tensor], meta: list, dst: int) -> None:
+    """Point to point, one flat buffer per dtype (weights for a rank on another host)."""
+    for dtype, members in _groups(meta).items():
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in members])
+        if flat.numel():
+            dist.send(flat, dst=dst)
+
+
+def recv_tensors(into: list[torch.Tensor], meta: list, src: int = 0) -> None:
+    """Receive what send_tensors sent, into preallocated tensors."""
+    for dtype, members in _groups(meta).items():
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        flat = torch.empty(sum(_numel(meta[i][0]) for i in members), dtype=wire)
+        if flat.numel():
+            dist.recv(flat, src=src)
+        offset = 0
+        for i in members:
+            n = _numel(meta[i][0])
+            into[i].copy_(flat[offset: offset + n].view(meta[i][0]).to(dtype))
+            offset += n

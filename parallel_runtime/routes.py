@@ -31,6 +31,8 @@ def validate(values: dict, host) -> dict:
                                                                  "a whole number"}
     inputs["devices"] = str(values.get("devices", "auto"))
     inputs["backend"] = str(values.get("backend", "auto"))
+    inputs["hosts"] = str(values.get("hosts") or "")
+    inputs["rendezvous"] = str(values.get("rendezvous") or "")
     try:
         config = build_config(**inputs, host=host)
     except ConfigError as exc:

@@ -237,6 +237,52 @@ def release_for_dead_receiver(storages) -> None:
             pass
 
 
+_RECEIVING: list = []  # tensors a remote unpickle created, in stream order, waiting for their data
+
+
+def _remote_slot(shape, dtype):
+    t = torch.empty(shape, dtype=dtype)
+    _RECEIVING.append(t)
+    return t
+
+
+class _RemotePickler(_ModulePickler):
+    """Like _ModulePickler, but tensors travel by value later (through the process group):
+    the pickle holds an empty slot for each, in stream order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tensors: list[torch.Tensor] = []
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and not (isinstance(obj, type) or type(obj).__name__ == "QuantizedTensor"):
+            value = obj.detach().to("cpu")
+            self.tensors.append(value)
+            slot = (_remote_slot, (tuple(value.shape), value.dtype))
+            if isinstance(obj, torch.nn.Parameter):
+                return (torch.nn.Parameter, (_Deferred(slot), obj.requires_grad))
+            return slot
+        return super().reducer_override(obj)
+
+
+def pack_module_remote(module: torch.nn.Module) -> tuple[bytes, list[torch.Tensor]]:
+    """The module's structure as a pickle, and its tensors to send after it, in order."""
+    buf = io.BytesIO()
+    with without_forward_overrides(module):
+        pickler = _RemotePickler(buf, pickle.HIGHEST_PROTOCOL)
+        pickler.dump(module)
+    return buf.getvalue(), pickler.tensors
+
+
+def unpack_module_remote(data: bytes) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """The module with empty tensors, and those tensors in the order their data will arrive."""
+    _RECEIVING.clear()
+    module = pickle.loads(data)
+    slots = list(_RECEIVING)
+    _RECEIVING.clear()
+    return module, slots
+
+
 def unpack_module(data: bytes, device: torch.device) -> torch.nn.Module:
     use_shared_memory_strategy()
     module = pickle.loads(data)

@@ -34,6 +34,25 @@ def _prepare_comfy(boot: dict) -> None:
 
     for key, value in boot.get("comfy_args", {}).items():
         setattr(comfy.cli_args.args, key, value)
+    _alias_rank0_package(boot.get("rank0_package"))
+
+
+def _alias_rank0_package(name: str | None) -> None:
+    """Rank 0 imported the pack under the name ComfyUI gave it; let pickles that name it
+    (its weights slots, for instance) find this process's modules."""
+    import importlib
+    import types
+
+    import parallel_runtime
+
+    if not name or name == "parallel_runtime":
+        return
+    parent = name.rpartition(".")[0]
+    if parent:
+        sys.modules.setdefault(parent, types.ModuleType(parent))
+    sys.modules[name] = parallel_runtime
+    for sub in ("transport", "protocol", "tensor_parallel", "plans", "plans.base"):
+        sys.modules[f"{name}.{sub}"] = importlib.import_module(f"parallel_runtime.{sub}")
 
 
 def main() -> int:
@@ -44,7 +63,11 @@ def main() -> int:
 
     from multiprocessing.connection import Client
 
-    conn = Client(boot["control_address"], family="AF_UNIX", authkey=bytes.fromhex(boot["authkey"]))
+    address = boot["control_address"]
+    if isinstance(address, list):  # rank 0 on another host: TCP on its rendezvous address
+        conn = Client(tuple(address), family="AF_INET", authkey=bytes.fromhex(boot["authkey"]))
+    else:
+        conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(boot["authkey"]))
     server = None
     failure = None
     try:
@@ -93,7 +116,10 @@ class _Server:
         transport.use_shared_memory_strategy()
         kind, table = conn.recv()
         assert kind == "status_table", kind
-        self.status_table = pickle.loads(table)
+        self.remote = bool(boot.get("remote"))
+        # On another host the table cannot be shared: the row goes to rank 0 in "stats" messages.
+        self.status_table = pickle.loads(table) if table is not None else torch.zeros(boot["world_size"], 4,
+                                                                                      dtype=torch.float64)
         timeout = datetime.timedelta(seconds=boot["timeout_s"])
         store = dist.TCPStore(boot["store_host"], boot["store_port"], boot["world_size"], False, timeout=timeout)
         dist.init_process_group(boot["backend"], store=store, rank=self.rank, world_size=boot["world_size"],
@@ -130,6 +156,19 @@ class _Server:
         self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
         self.conn.send(("loaded", key))
 
+    def on_load_remote(self, key: str, family: str, data: bytes, meta) -> None:
+        from parallel_runtime import protocol, transport
+        from parallel_runtime.plans import plan_for_family
+
+        self.models.pop(key, None)
+        module, slots = transport.unpack_module_remote(data)
+        protocol.recv_tensors(slots, meta, src=0)
+        module.to(self.device)
+        module.eval()
+        self.models[key] = (module, plan_for_family(family))
+        self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
+        self.conn.send(("loaded", key))
+
     def on_drop(self, key: str) -> None:
         from parallel_runtime import transport
 
@@ -155,6 +194,7 @@ class _Server:
         row[0] = (time.perf_counter() - started) * 1e3
         row[2] += 1
         row[3] = time.time()
+        self._send_stats()
 
     def _maybe_inject_fault(self) -> None:
         """Failure drills: PARALLEL_FAULT_INJECT="raise:<rank>:<n>" makes that rank raise on its
@@ -172,6 +212,13 @@ class _Server:
 
     def _publish(self, param_bytes: int) -> None:
         self.status_table[self.rank][1] = float(param_bytes)
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        if self.remote:
+            import psutil
+
+            self.conn.send(("stats", self.status_table[self.rank].tolist() + [psutil.Process().memory_info().rss]))
 
 
 if __name__ == "__main__":

@@ -96,18 +96,26 @@ class WorldStartError(RuntimeError):
 
 
 class _Worker:
-    def __init__(self, rank: int, device: str, proc: subprocess.Popen):
+    """Rank 0's handle on one worker: a local process, or a rank on another host (``host``)."""
+
+    def __init__(self, rank: int, device: str, proc: subprocess.Popen | None, host: str | None = None):
         self.rank = rank
         self.device = device
         self.proc = proc
+        self.host = host
+        self.remote_pid = None
+        self.lost = False  # a remote worker's connection closed
         self.conn = None
         self.output = collections.deque(maxlen=200)  # last lines, for crash reports
         self.storages: dict[str, list] = {}  # model key -> shared storages this worker maps
         self.maps_status_table = False
         self.released = False  # it confirmed unmapping everything before exiting
         self.reported_error: str | None = None
-        self._relay = threading.Thread(target=self._relay_output, name=f"parallel-rank{rank}-log", daemon=True)
-        self._relay.start()
+        self.stats: list | None = None  # a remote worker's status row
+        self._recv_lock = threading.Lock()  # the prompt thread and the status route both read
+        if proc is not None:
+            self._relay = threading.Thread(target=self._relay_output, name=f"parallel-rank{rank}-log", daemon=True)
+            self._relay.start()
 
     def _relay_output(self):
         for raw in iter(self.proc.stdout.readline, b""):
@@ -117,14 +125,34 @@ class _Worker:
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return not self.lost
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else self.remote_pid
+
+    def recv(self, timeout: float):
+        """One message, or None when nothing arrived within ``timeout``."""
+        with self._recv_lock:
+            try:
+                if not self.conn.poll(timeout):
+                    return None
+                return self.conn.recv()
+            except (EOFError, OSError):
+                self.lost = True
+                raise
 
     def drain(self) -> list:
-        """Messages the worker sent on its own (error reports)."""
+        """Messages the worker sent on its own (error reports, releases, a remote worker's status)."""
         msgs = []
         try:
-            while self.conn is not None and self.conn.poll(0):
-                msgs.append(self.conn.recv())
+            while self.conn is not None:
+                msg = self.recv(0)
+                if msg is None:
+                    break
+                msgs.append(msg)
         except (EOFError, OSError):
             pass
         for msg in msgs:
@@ -132,6 +160,8 @@ class _Worker:
                 self.reported_error = msg[2]
             if msg and msg[0] == "released":
                 self.released = True
+            if msg and msg[0] == "stats":
+                self.stats = msg[1]
         return msgs
 
 
@@ -180,22 +210,40 @@ class World:
 
     def _start(self):
         authkey = secrets.token_bytes(32)
-        self._socket_dir = tempfile.mkdtemp(prefix="comfy-parallel-")
-        address = os.path.join(self._socket_dir, "control.sock")
-        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        if self.config.multi_host:
+            # Workers on other hosts reach rank 0 over TCP on the rendezvous address.
+            from .cluster import listener_for, split_address
+
+            bind_host, _ = split_address(self.config.rendezvous)
+            cluster = listener_for(self.config.rendezvous)
+            self._listener = Listener((bind_host, 0), family="AF_INET", authkey=authkey)
+            address, store_host = list(self._listener.address), bind_host
+        else:
+            self._socket_dir = tempfile.mkdtemp(prefix="comfy-parallel-")
+            address = os.path.join(self._socket_dir, "control.sock")
+            self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+            store_host = "127.0.0.1"
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, timeout=timeout,
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(store_host, 0, self.world_size, True, timeout=timeout, wait_for_workers=False)
         self._status_table = torch.zeros(self.world_size, len(STATUS_FIELDS), dtype=torch.float64).share_memory_()
+        remote: dict[str, list] = {}
         for rank in range(1, self.world_size):
+            host = self.config.host_of(rank)
             boot = {
                 "rank": rank, "world_size": self.world_size, "mesh": self.config.mesh_sizes,
                 "devices": list(self.config.devices), "backend": self.config.backend,
-                "store_host": "127.0.0.1", "store_port": self._store.port, "control_address": address,
+                "store_host": store_host, "store_port": self._store.port, "control_address": address,
                 "authkey": authkey.hex(), "comfyui_path": self.comfyui_path, "pack_root": str(PACK_ROOT),
                 "parent_pid": os.getpid(), "threads": self.threads, "timeout_s": COLLECTIVE_TIMEOUT_S,
-                "comfy_args": self.comfy_args,
+                "comfy_args": self.comfy_args, "remote": host is not None,
+                # Objects of this pack that rank 0 pickles are named after its package as ComfyUI
+                # imported it; workers alias that name to their own import.
+                "rank0_package": __package__,
             }
+            if host is not None:
+                remote.setdefault(host, []).append(boot)
+                self.workers.append(_Worker(rank, self.config.devices[rank], None, host))
+                continue
             proc = subprocess.Popen([sys.executable, "-u", str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.comfyui_path,
                                     start_new_session=False)
@@ -203,10 +251,13 @@ class World:
             proc.stdin.write(json.dumps(boot).encode() + b"\n")
             proc.stdin.close()
             self.workers.append(_Worker(rank, self.config.devices[rank], proc))
+        for host, boots in remote.items():
+            conn, _ = cluster.agent(host, STARTUP_TIMEOUT_S)
+            conn.send(("spawn", boots))
         self._accept_all(time.monotonic() + STARTUP_TIMEOUT_S)
         for w in self.workers:
-            w.conn.send(("status_table", _pickled_shared(self._status_table)))
-            w.maps_status_table = True
+            w.conn.send(("status_table", None if w.host else _pickled_shared(self._status_table)))
+            w.maps_status_table = w.host is None
         dist.init_process_group(self.config.backend, store=self._store, rank=0, world_size=self.world_size,
                                 timeout=timeout)
         self.mesh = ProcessMesh(self.layout, 0)
@@ -232,9 +283,10 @@ class World:
                 msg = conn.recv()
                 if msg[0] != "hello" or msg[1] not in pending:
                     raise WorldStartError(f"unexpected first message from a worker: {msg!r}")
-                pending.pop(msg[1]).conn = conn
+                worker = pending.pop(msg[1])
+                worker.conn, worker.remote_pid = conn, msg[2]
             for w in pending.values():
-                if not w.alive:
+                if w.proc is not None and not w.alive:
                     time.sleep(0.2)  # let the relay thread collect the last lines
                     raise WorldStartError(f"rank {w.rank} exited with code {w.proc.returncode} while starting:\n"
                                           + "\n".join(w.output))
@@ -244,10 +296,16 @@ class World:
 
     def _expect(self, w: _Worker, kind: str, deadline: float):
         while True:
-            if w.conn.poll(0.05):
-                msg = w.conn.recv()
+            try:
+                msg = w.recv(0.05)
+            except (EOFError, OSError):
+                raise WorkerFailure(self._death_report(w))
+            if msg is not None:
                 if msg[0] == kind:
                     return msg
+                if msg[0] == "stats":
+                    w.stats = msg[1]
+                    continue
                 if msg[0] == "error":
                     w.reported_error = msg[2]
                     raise WorkerFailure(f"rank {w.rank} failed:\n{msg[2]}")
@@ -281,6 +339,13 @@ class World:
             gc.collect()
             deadline = time.monotonic() + SHUTDOWN_GRACE_S
             for w in self.workers:
+                if w.proc is None:  # on another host: it exits when told, or when its connection closes
+                    while w.conn is not None and not w.released and not w.lost and time.monotonic() < deadline:
+                        w.drain()
+                        time.sleep(0.05)
+                    if w.conn is not None:
+                        w.conn.close()
+                    continue
                 try:
                     w.proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -348,9 +413,17 @@ class World:
             run_module = module
             module_of = lambda w: module  # noqa: E731
         for w in self.workers:
+            target = module_of(w)
+            if w.host is not None:
+                # Another host: the structure over the control connection, the weights (only this
+                # rank's shard) through the process group.
+                data, tensors = transport.pack_module_remote(target)
+                meta = protocol.tensor_meta(tensors)
+                w.conn.send(("load_remote", key, plan.family, data, meta))
+                protocol.send_tensors(tensors, meta, w.rank)
+                continue
             # One pickle per receiver: each pickle takes a reference on the shared files that
             # its receiver releases, so one pickle read by several workers would let them vanish.
-            target = module_of(w)
             w.conn.send(("load", key, plan.family, transport.pack_module(target)))
             # From now on this worker holds a reference on each of these (given back if it dies).
             w.storages[key] = transport.shared_storages(target)
@@ -463,6 +536,9 @@ class World:
             time.sleep(0.05)
 
     def _death_report(self, w: _Worker) -> str:
+        if w.proc is None:
+            return (f"rank {w.rank} on host {w.host} (pid {w.remote_pid}) lost its connection during the run; the "
+                    "other ranks were stopped and the next run starts fresh workers (is that host up?)")
         code = w.proc.poll()
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         tail = "\n".join(list(w.output)[-20:])
@@ -475,21 +551,29 @@ class World:
 
         ranks = []
         table = self._status_table
-        pids = [os.getpid()] + [w.proc.pid for w in self.workers]
+        pids = [os.getpid()] + [w.pid for w in self.workers]
         for rank, pid in enumerate(pids):
             if rank == 0:
                 alive, device = True, self.config.devices[0]
                 last_ms, nbytes, forwards = self.last_forward_ms, self.param_bytes_rank0, self.forwards
             else:
                 w = self.workers[rank - 1]
+                if w.host is not None:
+                    w.drain()
                 alive, device = w.alive, w.device
-                row = table[rank].tolist() if table is not None else [0.0] * len(STATUS_FIELDS)
+                row = w.stats if w.host is not None else None
+                if row is None:
+                    row = table[rank].tolist() if table is not None else [0.0] * len(STATUS_FIELDS)
                 last_ms = row[0] if row[2] > 0 else None
                 nbytes, forwards = int(row[1]), int(row[2])
-            mem = process_memory(pid) if alive else {"rss_bytes": None, "pss_bytes": None}
+            if rank > 0 and self.workers[rank - 1].host is not None:  # another host: what it reported
+                rss = row[4] if len(row) > 4 else None
+                mem = {"rss_bytes": int(rss) if rss else None, "pss_bytes": None}
+            else:
+                mem = process_memory(pid) if alive else {"rss_bytes": None, "pss_bytes": None}
             ranks.append({"rank": rank, "device": device, "pid": pid, "alive": alive, "param_bytes": nbytes,
                           **mem, "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
-                          "coords": self.layout.coords(rank)})
+                          "coords": self.layout.coords(rank), "host": self.config.host_of(rank) or "local"})
         return {"world_size": self.world_size, "mesh": self.config.mesh_sizes, "backend": self.config.backend,
                 "state": self.state, "failure": self.failure, "forwards": self.forwards, "ranks": ranks}
 

@@ -99,3 +99,14 @@ def test_rank0_must_be_comfyui_device():
 def test_backend_mismatches_are_refused(backend, host, expected):
     msg = refused(ulysses_size=2, backend=backend, host=host)
     assert f"backend={backend!r}" in msg and expected in msg
+
+
+def test_hosts_place_ranks_in_order_and_keep_tp_inside_a_host():
+    cfg = build_config(ulysses_size=2, tp_size=2, hosts="local:2,gpu-b:2", rendezvous="10.0.0.1:29600", host=CPU2)
+    assert cfg.devices == ("cpu", "cpu", "@gpu-b", "@gpu-b") and cfg.multi_host
+    assert [cfg.host_of(r) for r in range(4)] == [None, None, "gpu-b", "gpu-b"]
+    assert "tensor-parallel groups stay inside a host" in refused(tp_size=2, ulysses_size=2, hosts="local:1,b:3",
+                                                                  rendezvous="10.0.0.1:1")
+    assert "world size of 2" in refused(ulysses_size=2, hosts="local:1,b:2", rendezvous="10.0.0.1:1")
+    assert "rendezvous=" in refused(ulysses_size=2, hosts="local:1,b:1")
+    assert "'name:ranks'" in refused(ulysses_size=2, hosts="local,b:1", rendezvous="10.0.0.1:1")

@@ -4,7 +4,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const INPUTS = ["ulysses_size", "ring_size", "tp_size", "cfg_size", "devices", "backend"];
+const INPUTS = ["ulysses_size", "ring_size", "tp_size", "cfg_size", "devices", "backend", "hosts", "rendezvous"];
 
 function inputValues(node) {
   const values = {};
