@@ -13,11 +13,33 @@ from comfy_api.latest import io
 
 from ..parallel_runtime.comfy_wrappers import ShardedFirstStage
 from ..parallel_runtime.config import ConfigError, ParallelConfig
-from ..parallel_runtime.runtime import RUNTIME
 from ..parallel_runtime.vae_parallel import check_vae
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard VAE"
+
+
+SIZES = ("ulysses_size", "ring_size", "tp_size", "cfg_size")
+
+
+def transformer_world_sizes(prompt: dict | None) -> set[int]:
+    """World sizes of the Parallel Configs that feed Shard Transformer nodes in this prompt
+    (checked before anything runs: the VAE decodes after sampling, on the ranks still up)."""
+    sizes = set()
+    for node in (prompt or {}).values():
+        if node.get("class_type") != "ShardTransformer":
+            continue
+        link = node.get("inputs", {}).get("parallel_config")
+        config = prompt.get(str(link[0])) if isinstance(link, list) else None
+        if not config or config.get("class_type") != "ParallelConfig":
+            continue
+        values = [config["inputs"].get(k, 1) for k in SIZES]
+        if all(isinstance(v, int) for v in values):
+            world = 1
+            for v in values:
+                world *= v
+            sizes.add(world)
+    return sizes
 
 
 class ShardVAENode(io.ComfyNode):
@@ -32,6 +54,7 @@ class ShardVAENode(io.ComfyNode):
                         "(SD, SDXL, SD3, Flux.1, Flux.2), the Wan 2.1 VAE (also Qwen-Image) and the Wan 2.2 VAE.",
             inputs=[io.Vae.Input("vae"), ParallelConfigType.Input("parallel_config")],
             outputs=[io.Vae.Output()],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -42,12 +65,12 @@ class ShardVAENode(io.ComfyNode):
             plan = check_vae(vae.first_stage_model)
         except ValueError as exc:
             raise ConfigError(f"{NODE}: {exc}") from exc
-        live = RUNTIME.world
-        if live is not None and live.state == "ready" and live.config.world_size != parallel_config.world_size:
-            raise ConfigError(f"{NODE}: the ranks running now form a world of size {live.config.world_size} "
-                              f"({live.config.describe()}), this Parallel Config asks for "
-                              f"{parallel_config.world_size}; give Shard VAE the same Parallel Config as Shard "
-                              "Transformer")
+        others = transformer_world_sizes(cls.hidden.prompt)
+        if others and parallel_config.world_size not in others:
+            raise ConfigError(f"{NODE}: its Parallel Config makes a world of size {parallel_config.world_size}, the "
+                              f"Shard Transformer of this workflow one of size {', '.join(map(str, sorted(others)))}: "
+                              "every change of world size restarts all ranks (and reloads the transformer); give "
+                              "Shard VAE the same Parallel Config as Shard Transformer")
         if parallel_config.world_size == 1:
             return io.NodeOutput(vae)
         sharded = copy.copy(vae)  # ComfyUI's VAE has no clone(); the copy shares the weights and the patcher

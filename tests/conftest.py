@@ -45,10 +45,10 @@ def comfyui_path() -> str:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
     """A ComfyUI base directory with the tiny Wan model, VAE, LoRAs and prompt embedding."""
-    from tiny_models import write_tiny_wan_files
+    from tiny_models import LARGE_FILES, TINY_FILES, write_tiny_wan_files
 
     base = tmp_path_factory.mktemp("comfy_base")
-    write_tiny_wan_files(base)
+    write_tiny_wan_files(base, only=[name for name in TINY_FILES if name not in LARGE_FILES])
     return base
 
 

@@ -54,8 +54,16 @@ def test_shard_vae_decodes_and_encodes_like_one_device(tiny_server, tiny_prompt)
     assert len(ranks) == 2 and ranks[1]["forwards"] > 0
 
 
-def test_a_shard_vae_config_of_another_world_size_is_refused(tiny_server, tiny_prompt):
-    tiny_server.run(edited(tiny_prompt, KSampler={"seed": 304}), timeout=300)  # a world of 2 is up
-    bad = with_shard_vae(tiny_prompt, {"ulysses_size": 1, "tp_size": 3, "devices": "cpu,cpu,cpu"})
-    with pytest.raises(PromptFailed, match="Shard VAE: the ranks running now form a world of size 2"):
+def test_a_shard_vae_config_of_another_world_size_than_the_transformer_is_refused(tiny_server, tiny_prompt):
+    bad = copy.deepcopy(tiny_prompt)  # Shard Transformer on 2 ranks, Shard VAE on 3
+    (vae_loader,) = find_nodes(bad, "VAELoader")
+    (decode,) = find_nodes(bad, "VAEDecode")
+    bad["60"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 3,
+                                                            "cfg_size": 1, "devices": "cpu,cpu,cpu", "backend": "auto"}}
+    bad["61"] = {"class_type": "ShardVAE", "inputs": {"vae": [vae_loader, 0], "parallel_config": ["60", 0]}}
+    bad[decode]["inputs"]["vae"] = ["61", 0]
+    before = {r["pid"] for r in status(tiny_server)["ranks"]}
+    with pytest.raises(PromptFailed, match="Shard VAE: its Parallel Config makes a world of size 3, the Shard "
+                                           "Transformer of this workflow one of size 2"):
         tiny_server.run(bad, timeout=120)
+    assert {r["pid"] for r in status(tiny_server)["ranks"]} <= before | {None}

@@ -167,9 +167,181 @@ def wan21_t2v(info: dict) -> dict:
     return g.to_json()
 
 
+FLUX1_NOTE = """Flux.1 dev on 2 GPUs with Hybrid Parallel: Ulysses 2.
+
+Each GPU holds the whole transformer and computes half of the image tokens (and half of the text
+tokens) in every step; attention exchanges heads with one all-to-all. Flux.1 has 24 heads, so
+ulysses_size may be 1, 2, 3, 4, 6, 8, 12 or 24. The result equals the single-GPU image.
+
+Models (Comfy-Org / black-forest-labs):
+  diffusion_models/flux1-dev.safetensors
+  text_encoders/clip_l.safetensors, text_encoders/t5xxl_fp16.safetensors
+  vae/ae.safetensors"""
+
+FLUX2_NOTE = """FLUX.2 dev on 4 GPUs: Ulysses 2 x tensor parallel 2, and the Mistral text encoder sharded.
+
+FLUX.2 does not fit one 48 GB card. tp_size 2 gives each GPU half of every large layer (pairs of
+neighbouring GPUs, the fastest links); ulysses_size 2 splits the tokens between the two pairs.
+Shard Text Encoder splits the 24B Mistral encoder over all 4 GPUs for the prompt, with the same
+Parallel Config. cache-dit measured Ulysses-4 x TP-2 faster than TP-8 on 8 cards.
+
+Models (Comfy-Org/flux2-dev):
+  diffusion_models/flux2_dev_fp8mixed.safetensors
+  text_encoders/mistral_3_small_flux2_bf16.safetensors
+  vae/flux2-vae.safetensors"""
+
+WAN22_NOTE = """Wan 2.2 T2V 14B on 4 GPUs: high-noise and low-noise experts, each sharded.
+
+Both experts go through Shard Transformer with the same Parallel Config: ulysses_size 2 splits the
+video tokens over two GPUs, cfg_size 2 runs the conditional and unconditional passes on the two
+pairs. The experts stay loaded on their ranks between prompts. Shard VAE decodes the video on all
+4 GPUs, each a band of rows, with the exact (untiled) result.
+
+Models (Comfy-Org/Wan_2.2_ComfyUI_Repackaged):
+  diffusion_models/wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors
+  diffusion_models/wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors
+  text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors
+  vae/wan_2.1_vae.safetensors"""
+
+QWEN_NOTE = """Qwen-Image on 2 GPUs with tensor parallelism: each GPU holds half of every large layer.
+
+tp_size must divide the 24 heads and the MLP width: 1, 2, 3, 4, 6, 8, 12 or 24. Use it when the
+20B transformer does not fit one card; add ulysses_size for speed when it does.
+
+Models (Comfy-Org/Qwen-Image_ComfyUI):
+  diffusion_models/qwen_image_fp8_e4m3fn.safetensors
+  text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors
+  vae/qwen_image_vae.safetensors"""
+
+
+def flux1_dev(info: dict) -> dict:
+    g = Graph(info)
+    g.add(1, "UNETLoader", {"unet_name": "flux1-dev.safetensors", "weight_dtype": "default"}, col=0, row=0)
+    g.add(2, "ParallelConfig", {"ulysses_size": 2}, col=0, row=1, size=(320, 260))
+    g.add(3, "ShardTransformer", col=1, row=0)
+    g.add(4, "DualCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                                "type": "flux"}, col=0, row=2)
+    g.add(5, "CLIPTextEncode", {"text": "a cozy cabin in a snowy forest at dusk, warm light in the windows"},
+          col=1, row=2, title="Prompt", size=(400, 160))
+    g.add(6, "FluxGuidance", {"guidance": 3.5}, col=2, row=2)
+    g.add(7, "ConditioningZeroOut", col=2, row=3, title="Negative (unused at CFG 1)")
+    g.add(8, "EmptySD3LatentImage", {"width": 1024, "height": 1024, "batch_size": 1}, col=2, row=1)
+    g.add(9, "KSampler", {"seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+                          "denoise": 1.0}, col=3, row=0, size=(320, 262))
+    g.add(10, "VAELoader", {"vae_name": "ae.safetensors"}, col=3, row=2)
+    g.add(11, "VAEDecode", col=4, row=0)
+    g.add(12, "SaveImage", {"filename_prefix": "flux1_dev_ulysses2"}, col=5, row=0, size=(360, 360))
+    g.add(13, "Note", {"text": FLUX1_NOTE}, col=0, row=4, size=(700, 220))
+    for a, slot, b, name in ((1, 0, 3, "model"), (2, 0, 3, "parallel_config"), (4, 0, 5, "clip"), (5, 0, 6, "conditioning"),
+                             (6, 0, 9, "positive"), (5, 0, 7, "conditioning"), (7, 0, 9, "negative"),
+                             (3, 0, 9, "model"), (8, 0, 9, "latent_image"), (9, 0, 11, "samples"),
+                             (10, 0, 11, "vae"), (11, 0, 12, "images")):
+        g.connect(a, slot, b, name)
+    return g.to_json()
+
+
+def flux2_dev(info: dict) -> dict:
+    g = Graph(info)
+    g.add(1, "UNETLoader", {"unet_name": "flux2_dev_fp8mixed.safetensors", "weight_dtype": "default"}, col=0, row=0)
+    g.add(2, "ParallelConfig", {"ulysses_size": 2, "tp_size": 2}, col=0, row=1, size=(320, 260))
+    g.add(3, "ShardTransformer", col=1, row=0)
+    g.add(4, "CLIPLoader", {"clip_name": "mistral_3_small_flux2_bf16.safetensors", "type": "flux2"}, col=0, row=2)
+    g.add(5, "ShardTextEncoder", col=1, row=2)
+    g.add(6, "CLIPTextEncode", {"text": "a glass greenhouse full of orchids, morning fog, 35mm photo"},
+          col=2, row=2, title="Prompt", size=(400, 160))
+    g.add(7, "FluxGuidance", {"guidance": 4.0}, col=3, row=2)
+    g.add(8, "BasicGuider", col=3, row=1)
+    g.add(9, "RandomNoise", {"noise_seed": 42}, col=2, row=0)
+    g.add(10, "KSamplerSelect", {"sampler_name": "euler"}, col=2, row=1)
+    g.add(11, "EmptyFlux2LatentImage", {"width": 1024, "height": 1024, "batch_size": 1}, col=3, row=3)
+    g.add(12, "Flux2Scheduler", {"steps": 20, "width": 1024, "height": 1024}, col=4, row=3)
+    g.add(13, "SamplerCustomAdvanced", col=4, row=0, size=(320, 200))
+    g.add(14, "VAELoader", {"vae_name": "flux2-vae.safetensors"}, col=4, row=2)
+    g.add(15, "VAEDecode", col=5, row=0)
+    g.add(16, "SaveImage", {"filename_prefix": "flux2_dev_ulysses2_tp2"}, col=6, row=0, size=(360, 360))
+    g.add(17, "Note", {"text": FLUX2_NOTE}, col=0, row=4, size=(700, 240))
+    for a, slot, b, name in ((1, 0, 3, "model"), (2, 0, 3, "parallel_config"), (4, 0, 5, "clip"),
+                             (2, 0, 5, "parallel_config"), (5, 0, 6, "clip"), (6, 0, 7, "conditioning"),
+                             (3, 0, 8, "model"), (7, 0, 8, "conditioning"), (9, 0, 13, "noise"), (8, 0, 13, "guider"),
+                             (10, 0, 13, "sampler"), (12, 0, 13, "sigmas"), (11, 0, 13, "latent_image"),
+                             (13, 0, 15, "samples"), (14, 0, 15, "vae"), (15, 0, 16, "images")):
+        g.connect(a, slot, b, name)
+    return g.to_json()
+
+
+def wan22_t2v(info: dict) -> dict:
+    g = Graph(info)
+    g.add(1, "UNETLoader", {"unet_name": "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", "weight_dtype": "default"},
+          col=0, row=0, title="High-noise expert")
+    g.add(2, "UNETLoader", {"unet_name": "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors", "weight_dtype": "default"},
+          col=0, row=1, title="Low-noise expert")
+    g.add(3, "ParallelConfig", {"ulysses_size": 2, "cfg_size": 2}, col=0, row=2, size=(320, 260))
+    g.add(4, "ModelSamplingSD3", {"shift": 8.0}, col=1, row=0)
+    g.add(5, "ModelSamplingSD3", {"shift": 8.0}, col=1, row=1)
+    g.add(6, "ShardTransformer", col=2, row=0)
+    g.add(7, "ShardTransformer", col=2, row=1)
+    g.add(8, "CLIPLoader", {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"}, col=0, row=3)
+    g.add(9, "CLIPTextEncode", {"text": "a paper boat drifting down a rainy city gutter, macro, cinematic"},
+          col=1, row=3, title="Positive", size=(400, 160))
+    g.add(10, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, col=1, row=4, title="Negative",
+          size=(400, 160))
+    g.add(11, "EmptyHunyuanLatentVideo", {"width": 1280, "height": 704, "length": 81, "batch_size": 1}, col=2, row=2)
+    g.add(12, "KSamplerAdvanced", {"add_noise": "enable", "noise_seed": 42, "steps": 20, "cfg": 3.5,
+                                   "sampler_name": "euler", "scheduler": "simple", "start_at_step": 0,
+                                   "end_at_step": 10, "return_with_leftover_noise": "enable"},
+          col=3, row=0, size=(320, 330), title="High noise: steps 0-10")
+    g.add(13, "KSamplerAdvanced", {"add_noise": "disable", "noise_seed": 42, "steps": 20, "cfg": 3.5,
+                                   "sampler_name": "euler", "scheduler": "simple", "start_at_step": 10,
+                                   "end_at_step": 20, "return_with_leftover_noise": "disable"},
+          col=4, row=0, size=(320, 330), title="Low noise: steps 10-20")
+    g.add(14, "VAELoader", {"vae_name": "wan_2.1_vae.safetensors"}, col=3, row=3)
+    g.add(15, "ShardVAE", col=4, row=3)
+    g.add(16, "VAEDecode", col=5, row=0)
+    g.add(17, "SaveAnimatedWEBP", {"filename_prefix": "wan22_t2v_cp", "fps": 16.0}, col=6, row=0, size=(360, 360))
+    g.add(18, "Note", {"text": WAN22_NOTE}, col=0, row=5, size=(700, 240))
+    for a, slot, b, name in ((1, 0, 4, "model"), (2, 0, 5, "model"), (4, 0, 6, "model"), (5, 0, 7, "model"),
+                             (3, 0, 6, "parallel_config"), (3, 0, 7, "parallel_config"), (8, 0, 9, "clip"),
+                             (8, 0, 10, "clip"), (6, 0, 12, "model"), (9, 0, 12, "positive"), (10, 0, 12, "negative"),
+                             (11, 0, 12, "latent_image"), (7, 0, 13, "model"), (9, 0, 13, "positive"),
+                             (10, 0, 13, "negative"), (12, 0, 13, "latent_image"), (14, 0, 15, "vae"),
+                             (3, 0, 15, "parallel_config"), (13, 0, 16, "samples"), (15, 0, 16, "vae"),
+                             (16, 0, 17, "images")):
+        g.connect(a, slot, b, name)
+    return g.to_json()
+
+
+def qwen_image(info: dict) -> dict:
+    g = Graph(info)
+    g.add(1, "UNETLoader", {"unet_name": "qwen_image_fp8_e4m3fn.safetensors", "weight_dtype": "default"}, col=0, row=0)
+    g.add(2, "ModelSamplingAuraFlow", {"shift": 3.1}, col=1, row=0)
+    g.add(3, "ParallelConfig", {"tp_size": 2}, col=0, row=1, size=(320, 260))
+    g.add(4, "ShardTransformer", col=2, row=0)
+    g.add(5, "CLIPLoader", {"clip_name": "qwen_2.5_vl_7b_fp8_scaled.safetensors", "type": "qwen_image"}, col=0, row=2)
+    g.add(6, "CLIPTextEncode", {"text": "a hand-painted sign that says \"OPEN\" on a bakery door, warm afternoon"},
+          col=1, row=2, title="Positive", size=(400, 160))
+    g.add(7, "CLIPTextEncode", {"text": ""}, col=1, row=3, title="Negative", size=(400, 160))
+    g.add(8, "EmptySD3LatentImage", {"width": 1328, "height": 1328, "batch_size": 1}, col=2, row=1)
+    g.add(9, "KSampler", {"seed": 42, "steps": 20, "cfg": 2.5, "sampler_name": "euler", "scheduler": "simple",
+                          "denoise": 1.0}, col=3, row=0, size=(320, 262))
+    g.add(10, "VAELoader", {"vae_name": "qwen_image_vae.safetensors"}, col=3, row=2)
+    g.add(11, "VAEDecode", col=4, row=0)
+    g.add(12, "SaveImage", {"filename_prefix": "qwen_image_tp2"}, col=5, row=0, size=(360, 360))
+    g.add(13, "Note", {"text": QWEN_NOTE}, col=0, row=4, size=(700, 200))
+    for a, slot, b, name in ((1, 0, 2, "model"), (2, 0, 4, "model"), (3, 0, 4, "parallel_config"), (5, 0, 6, "clip"),
+                             (5, 0, 7, "clip"), (4, 0, 9, "model"), (6, 0, 9, "positive"), (7, 0, 9, "negative"),
+                             (8, 0, 9, "latent_image"), (9, 0, 11, "samples"), (10, 0, 11, "vae"),
+                             (11, 0, 12, "images")):
+        g.connect(a, slot, b, name)
+    return g.to_json()
+
+
 WORKFLOWS = {
     "tiny_wan_ulysses2_demo.json": tiny_wan,
     "wan21_t2v_ulysses2.json": wan21_t2v,
+    "flux1_dev_ulysses2.json": flux1_dev,
+    "flux2_dev_ulysses2_tp2_text_encoder.json": flux2_dev,
+    "wan22_t2v_14B_cp_shard_vae.json": wan22_t2v,
+    "qwen_image_tp2.json": qwen_image,
 }
 
 

@@ -141,6 +141,60 @@ def t5_base_state_dict(seed: int = 10) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _random_state_dict(module_factory, seed: int, dtype=torch.float16) -> dict[str, torch.Tensor]:
+    """Seeded weights for a model built on the meta device (no memory but the result):
+    norms near 1 (gamma/scale) or 0 (biases), matrices about 1/sqrt(fan-in)."""
+    with torch.device("meta"):
+        model = module_factory()
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for key, meta in sorted(model.state_dict().items()):
+        if meta.ndim <= 1:
+            base = 1.0 if key.endswith(("scale", "gamma", "norm.weight")) or ".norm" in key else 0.0
+            value = base + 0.02 * torch.randn(meta.shape, generator=gen)
+        else:
+            value = torch.randn(meta.shape, generator=gen) * (0.5 / meta[0].numel() ** 0.5)
+        sd[key] = value.to(dtype)
+    return sd
+
+
+def flux1_state_dict(seed: int = 11) -> dict[str, torch.Tensor]:
+    """The smallest Flux.1 UNETLoader accepts: its detection fixes 24 heads of 128 (width 3072);
+    one double and one single block (about 0.55B parameters, stored in fp16)."""
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    return _random_state_dict(lambda: comfy.ldm.flux.model.Flux(
+        image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096, hidden_size=3072,
+        mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
+        qkv_bias=True, guidance_embed=True, dtype=torch.float32, operations=comfy.ops.disable_weight_init), seed)
+
+
+def qwen_image_state_dict(seed: int = 12) -> dict[str, torch.Tensor]:
+    """The smallest Qwen-Image UNETLoader accepts (detection fixes 24 heads of 128): one block."""
+    import comfy.ldm.qwen_image.model
+    import comfy.ops
+
+    return _random_state_dict(lambda: comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=128, num_attention_heads=24,
+        joint_attention_dim=3584, axes_dims_rope=(16, 56, 56), dtype=torch.float32,
+        operations=comfy.ops.disable_weight_init), seed)
+
+
+def flux_vae_state_dict(seed: int = 13) -> dict[str, torch.Tensor]:
+    """A Flux.1-style KL autoencoder (16 latent channels, no quant convs): VAELoader fixes its
+    widths (128 base channels), about 84M parameters."""
+    import comfy.ldm.models.autoencoder
+
+    ddconfig = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    return _random_state_dict(lambda: comfy.ldm.models.autoencoder.AutoencodingEngine(
+        regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+        encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": ddconfig},
+        decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": ddconfig}), seed,
+        dtype=torch.float32)
+
+
 TINY_FILES = {
     "unet": "tiny_wan21_t2v.safetensors",
     "vae": "tiny_wan21_vae.safetensors",
@@ -150,11 +204,18 @@ TINY_FILES = {
     "hunyuan_unet": "tiny_hunyuan_video.safetensors",
     "unet_4heads": "tiny_wan21_t2v_4heads.safetensors",
     "t5_base": "tiny_t5_base.safetensors",
+    "flux1": "tiny_flux1.safetensors",
+    "qwen_image": "tiny_qwen_image.safetensors",
+    "flux_vae": "tiny_flux_ae.safetensors",
+    "flux_prompt_dataset": "tiny_flux_prompt",
+    "qwen_prompt_dataset": "tiny_qwen_prompt",
     "hunyuan_prompt_dataset": "tiny_hunyuan_prompt",
 }
 
 
 DEMO_FILES = ("unet", "vae", "lora_a", "lora_b", "prompt_dataset")
+# The large ones (Flux.1, Qwen-Image at the widths their detection fixes) only for the example-workflow test.
+LARGE_FILES = ("flux1", "qwen_image", "flux_vae", "flux_prompt_dataset", "qwen_prompt_dataset")
 
 
 def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -> dict[str, Path]:
@@ -172,6 +233,11 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         "hunyuan_unet": base_dir / "models" / "diffusion_models" / TINY_FILES["hunyuan_unet"],
         "unet_4heads": base_dir / "models" / "diffusion_models" / TINY_FILES["unet_4heads"],
         "t5_base": base_dir / "models" / "text_encoders" / TINY_FILES["t5_base"],
+        "flux1": base_dir / "models" / "diffusion_models" / TINY_FILES["flux1"],
+        "qwen_image": base_dir / "models" / "diffusion_models" / TINY_FILES["qwen_image"],
+        "flux_vae": base_dir / "models" / "vae" / TINY_FILES["flux_vae"],
+        "flux_prompt_dataset": base_dir / "output" / TINY_FILES["flux_prompt_dataset"],
+        "qwen_prompt_dataset": base_dir / "output" / TINY_FILES["qwen_prompt_dataset"],
         "hunyuan_prompt_dataset": base_dir / "output" / TINY_FILES["hunyuan_prompt_dataset"],
     }
     makers = {
@@ -184,6 +250,9 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         # Width 512 = 4 heads of 128 for ComfyUI's detection: room for TP 4 (and TP 2 x Ulysses 2).
         "unet_4heads": lambda: wan_state_dict(TinyWan(dim=512, ffn_dim=1024, num_layers=2), seed=9),
         "t5_base": t5_base_state_dict,
+        "flux1": flux1_state_dict,
+        "qwen_image": qwen_image_state_dict,
+        "flux_vae": flux_vae_state_dict,
     }
     for name, make in makers.items():
         if only is not None and name not in only:
@@ -196,6 +265,13 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
             os.replace(tmp, path)
     if (only is None or "prompt_dataset" in only) and not (paths["prompt_dataset"] / "shard_0000.pkl").exists():
         write_conditioning_dataset(paths["prompt_dataset"], prompt_embedding())
+    prompts = {"flux_prompt_dataset": (prompt_embedding(tokens=9, seed=14, text_dim=4096),
+                                       {"pooled_output": torch.randn(1, 768, generator=torch.Generator().manual_seed(15)),
+                                        "guidance": 3.5}),
+               "qwen_prompt_dataset": (prompt_embedding(tokens=9, seed=16, text_dim=3584), {})}
+    for name, (embedding, extra) in prompts.items():
+        if (only is None or name in only) and not (paths[name] / "shard_0000.pkl").exists():
+            write_conditioning_dataset(paths[name], embedding, extra=extra)
     if (only is None or "hunyuan_prompt_dataset" in only) and \
             not (paths["hunyuan_prompt_dataset"] / "shard_0000.pkl").exists():
         pooled = torch.randn(1, 768, generator=torch.Generator().manual_seed(8))
