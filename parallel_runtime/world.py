@@ -521,17 +521,29 @@ class World:
         return _Threads()
 
     def _explain_failure(self, exc: BaseException) -> str | None:
-        """Which worker failed and why, if one did (waits briefly for its report)."""
-        deadline = time.monotonic() + 2.0
+        """Which worker failed and why, if one did (waits briefly for its report).
+
+        A rank that died without a word (SIGKILL, OOM killer, segfault) is the cause; its peers
+        then fail in their collectives with "connection reset" and report that first. So a
+        silent death wins over reported errors, and a reported error is only trusted once a
+        short grace period has shown no rank died."""
+        started = time.monotonic()
+        first_report = None
         while True:
-            for w in self.workers:
-                w.drain()
-                if w.reported_error:
-                    return f"rank {w.rank} ({w.device}) raised an error:\n{w.reported_error}"
             dead = [w for w in self.workers if not w.alive]
-            if dead and time.monotonic() > deadline - 1.5:
-                return "\n".join(self._death_report(w) for w in dead)
-            if time.monotonic() > deadline:
+            for w in self.workers:  # after the liveness check: a dying worker sends its error before exiting
+                w.drain()
+            reported = [w for w in self.workers if w.reported_error]
+            silent_dead = [w for w in dead if not w.reported_error]
+            now = time.monotonic()
+            if reported and first_report is None:
+                first_report = now
+            if silent_dead and (reported or now - started > 0.5):
+                return "\n".join(self._death_report(w) for w in silent_dead)
+            if reported and now - first_report > 0.5:
+                w = reported[0]
+                return f"rank {w.rank} ({w.device}) raised an error:\n{w.reported_error}"
+            if now - started > 2.0:
                 return None
             time.sleep(0.05)
 

@@ -82,3 +82,42 @@ def test_shared_weights_are_released_after_worlds_end_even_when_a_worker_was_kil
     del model, world
     gc.collect()
     assert set(our_files()) - before == set()
+
+
+class _FakeProc:
+    def __init__(self, code, pid):
+        self.code, self.pid = code, pid
+
+    def poll(self):
+        return self.code
+
+
+class _FakeWorker:
+    """What World._explain_failure reads from a worker: liveness, its report, its output."""
+
+    def __init__(self, rank, code=None, error=None):
+        self.rank, self.device, self.host = rank, "cpu", None
+        self.proc = _FakeProc(code, 1000 + rank)
+        self.reported_error, self.output = error, ["last words"]
+
+    @property
+    def alive(self):
+        return self.proc.poll() is None
+
+    def drain(self):
+        return []
+
+
+def test_a_silently_killed_rank_is_blamed_rather_than_the_peer_whose_collective_broke():
+    """When rank 2 is SIGKILLed, rank 1 reports "connection reset" first; the user must be told
+    about rank 2, the cause, not about rank 1's symptom."""
+    from parallel_runtime.world import World
+
+    world = World.__new__(World)
+    world.workers = [_FakeWorker(1, code=3, error="RuntimeError: Connection reset by peer"), _FakeWorker(2, code=-9)]
+    message = world._explain_failure(RuntimeError("collective failed"))
+    assert message.startswith("rank 2 (cpu, pid 1002) was killed by signal 9"), message
+    assert "rank 1" not in message
+
+    world.workers = [_FakeWorker(1, code=3, error="ValueError: bad shape"), _FakeWorker(2)]
+    assert world._explain_failure(RuntimeError("x")).startswith("rank 1 (cpu) raised an error:\nValueError: bad shape")
