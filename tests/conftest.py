@@ -90,3 +90,26 @@ def _load_pack_nodes():
 # The pack as ComfyUI loads it (a package with relative imports), for tests that drive its
 # nodes directly; ``parallel_runtime`` imported top-level (as the workers do) is a separate copy.
 PACK = _load_pack_nodes()
+
+
+@pytest.fixture(scope="module")
+def runtime(comfyui_path):
+    """A Runtime (the top-level ``parallel_runtime`` copy, as the workers import it) that knows
+    this ComfyUI, shut down when the module's tests are done."""
+    from parallel_runtime.runtime import Runtime
+    rt = Runtime()
+    rt.comfyui_path = comfyui_path
+    yield rt
+    rt.shutdown("tests done")
+
+
+def cpu_world(runtime, sizes: dict, config_module=None):
+    """The runtime's world for these mesh sizes on as many CPU ranks."""
+    if config_module is None:
+        import parallel_runtime.config as config_module
+    n = 1
+    for v in sizes.values():
+        n *= v
+    config = config_module.build_config(**sizes, devices=",".join(["cpu"] * n),
+                                        host=config_module.HostDevices("cpu"))
+    return runtime.world_for(config)

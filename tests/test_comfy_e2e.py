@@ -90,13 +90,13 @@ def test_head_count_that_does_not_divide_is_refused_at_the_node(tiny_server, tin
     assert {r["pid"] for r in status(tiny_server)["ranks"]} == before  # no worker was started
 
 
-def _wait_for_forwards(server, rank, count, timeout=60):
+def wait_for_forwards(server, rank, count, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ranks = status(server)["ranks"]
         if len(ranks) > rank and (ranks[rank].get("forwards") or 0) >= count:
             return ranks[rank]
-        time.sleep(0.1)
+        time.sleep(0.05)
     raise TimeoutError(f"rank {rank} did not reach {count} forwards")
 
 
@@ -105,7 +105,7 @@ def test_killed_worker_gives_a_clear_error_and_the_next_prompt_works(tiny_server
     tiny_server.run(edited(tiny_prompt, KSampler={"seed": 12}), timeout=300)  # workers up
     start_forwards = status(tiny_server)["ranks"][1]["forwards"]
     prompt_id = tiny_server.queue(long_run)
-    victim = _wait_for_forwards(tiny_server, 1, start_forwards + 3)
+    victim = wait_for_forwards(tiny_server, 1, start_forwards + 3)
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(PromptFailed) as info:
@@ -127,7 +127,7 @@ def test_cancel_stops_every_rank_promptly(tiny_server, tiny_prompt):
     pids = [r["pid"] for r in status(tiny_server)["ranks"]]
     start_forwards = status(tiny_server)["ranks"][1]["forwards"]
     prompt_id = tiny_server.queue(edited(tiny_prompt, KSampler={"steps": 400, "seed": 22}))
-    _wait_for_forwards(tiny_server, 1, start_forwards + 3)
+    wait_for_forwards(tiny_server, 1, start_forwards + 3)
     tiny_server.interrupt()
     cancelled_at = time.monotonic()
     with pytest.raises(PromptFailed) as info:

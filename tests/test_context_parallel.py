@@ -6,10 +6,9 @@ Meshes: Ulysses 2, Ring 2, USP 2x2 (4 ranks), cfg 2 x Ulysses 2 (4 ranks).
 import pytest
 import torch
 
+from conftest import cpu_world
 from families import CASES
-from parallel_runtime.config import HostDevices, build_config
 from parallel_runtime.plans import find_plan
-from parallel_runtime.runtime import Runtime
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-5
@@ -21,22 +20,9 @@ MESHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def runtime(comfyui_path):
-    rt = Runtime()
-    rt.comfyui_path = comfyui_path
-    yield rt
-    rt.shutdown("tests done")
-
-
 @pytest.fixture(scope="module", params=list(MESHES))
 def world(request, runtime):
-    sizes = MESHES[request.param]
-    world_size = 1
-    for v in sizes.values():
-        world_size *= v
-    config = build_config(**sizes, devices=",".join(["cpu"] * world_size), host=HostDevices("cpu"))
-    return runtime.world_for(config)
+    return cpu_world(runtime, MESHES[request.param])
 
 
 @pytest.fixture(scope="module")

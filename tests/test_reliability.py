@@ -12,19 +12,10 @@ import pytest
 
 from comfy_server import ComfyServer, PromptFailed
 from test_comfy_e2e import TOL, edited, final_latent, status
+from test_comfy_e2e import wait_for_forwards as wait_forwards
 from workflows import find_nodes, remove_passthrough
 
 pytestmark = pytest.mark.comfy_server
-
-
-def wait_forwards(server, rank, count, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ranks = status(server)["ranks"]
-        if len(ranks) > rank and (ranks[rank].get("forwards") or 0) >= count:
-            return ranks[rank]
-        time.sleep(0.05)
-    raise TimeoutError(f"rank {rank} did not reach {count} forwards")
 
 
 def test_killed_worker_five_times(tiny_server, tiny_prompt):

@@ -6,10 +6,9 @@ their own shard of the weights.
 import pytest
 import torch
 
+from conftest import cpu_world
 from families import TP_CASES
-from parallel_runtime.config import HostDevices, build_config
 from parallel_runtime.plans import find_plan
-from parallel_runtime.runtime import Runtime
 from parallel_runtime.tensor_parallel import TensorParallelError, build_shard
 
 pytestmark = pytest.mark.multirank
@@ -27,21 +26,9 @@ BYTES_CHECKED = {"wan21_t2v_4heads", "wan22_per_frame_t_4heads", "flux1_4heads_k
                  "qwen_image_4heads_controlnet"}
 
 
-@pytest.fixture(scope="module")
-def runtime(comfyui_path):
-    rt = Runtime()
-    rt.comfyui_path = comfyui_path
-    yield rt
-    rt.shutdown("tests done")
-
-
 @pytest.fixture(scope="module", params=list(MESHES))
 def world(request, runtime):
-    sizes = MESHES[request.param]
-    n = 1
-    for v in sizes.values():
-        n *= v
-    return runtime.world_for(build_config(**sizes, devices=",".join(["cpu"] * n), host=HostDevices("cpu")))
+    return cpu_world(runtime, MESHES[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +120,7 @@ def test_scaled_fp8_weights_shard_in_fp8_with_their_scales(runtime):
     assert q.scale_weight is model.blocks[0].self_attn.q.scale_weight
     assert all(p.dtype == fp8 for n, p in shard.named_parameters() if n in fp8_params)
 
-    world = runtime.world_for(build_config(tp_size=2, devices="cpu,cpu", host=HostDevices("cpu")))
+    world = cpu_world(runtime, dict(tp_size=2))
     with torch.inference_mode():
         out = world.forward(model, find_plan(model), model._forward, args, {"transformer_options": {}})
     err = (out - ref).abs().max().item()

@@ -17,6 +17,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runtime(comfyui_path):
+    # Overrides conftest's: the pack's own Runtime, so node and runtime agree.
     rt = Runtime()
     rt.comfyui_path = comfyui_path
     yield rt

@@ -6,11 +6,10 @@ import copy
 import pytest
 import torch
 
+from conftest import cpu_world
 from parallel_runtime import vae_parallel
-from parallel_runtime.config import HostDevices, build_config
 from parallel_runtime.plans import find_vae_plan, plan_for_family
 from parallel_runtime.plans.vae import check_vae
-from parallel_runtime.runtime import Runtime
 from parallel_runtime.vae_parallel import Bands, ConvRows
 from vae_cases import VAES, randomize
 
@@ -18,16 +17,8 @@ pytestmark = pytest.mark.multirank
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def runtime(comfyui_path):
-    rt = Runtime()
-    rt.comfyui_path = comfyui_path
-    yield rt
-    rt.shutdown("tests done")
-
-
 def world_of(runtime, n):
-    return runtime.world_for(build_config(tp_size=n, devices=",".join(["cpu"] * n), host=HostDevices("cpu")))
+    return cpu_world(runtime, dict(tp_size=n))
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])

@@ -1,0 +1,68 @@
+"""Bad input is refused by the nodes themselves, before any worker starts, with a message that
+names the node, the value and what would be valid."""
+import types
+
+import pytest
+import torch
+
+from conftest import PACK
+
+config_mod = PACK.parallel_runtime.config
+CPU = config_mod.HostDevices("cpu", cpu_count=2)
+ConfigError = config_mod.ConfigError
+
+
+def config(**kw):
+    return config_mod.build_config(host=CPU, **kw)
+
+
+def fake_model(diffusion_model):
+    """Enough of a ModelPatcher for the node's checks (they read model.model.diffusion_model)."""
+    return types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=diffusion_model))
+
+
+def no_world_started():
+    world = PACK.parallel_runtime.runtime.RUNTIME.world
+    return world is None
+
+
+def test_unsupported_model_is_named_with_the_supported_ones():
+    with pytest.raises(ConfigError) as info:
+        PACK.nodes.ShardTransformerNode.execute(fake_model(torch.nn.Linear(4, 4)), config(ulysses_size=2))
+    message = str(info.value)
+    assert message.startswith("Shard Transformer: the model class torch.nn.modules.linear.Linear is not supported")
+    assert "Wan 2.1 / 2.2" in message and "Flux.1" in message
+    assert no_world_started()
+
+
+def test_sizes_that_do_not_divide_list_the_valid_ones():
+    from tiny_models import TinyWan, build_wan_model
+
+    model = fake_model(build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=1), text_dim=64))  # 2 heads
+    with pytest.raises(ConfigError, match=r"ulysses_size=4 does not divide the 2 attention heads .* values: 1, 2"):
+        PACK.nodes.ShardTransformerNode.execute(model, config(ulysses_size=4, devices="cpu,cpu,cpu,cpu"))
+    with pytest.raises(ConfigError, match=r"tp_size=4 does not divide .* valid tp_size values: 1, 2"):
+        PACK.nodes.ShardTransformerNode.execute(model, config(tp_size=4, devices="cpu,cpu,cpu,cpu"))
+    assert no_world_started()
+
+
+def test_unsupported_text_encoder_is_refused():
+    clip = types.SimpleNamespace(cond_stage_model=torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(ConfigError) as info:
+        PACK.nodes.ShardTextEncoderNode.execute(clip, config(ulysses_size=2))
+    assert str(info.value).startswith("Shard Text Encoder: this CLIP") and "T5 / UMT5" in str(info.value)
+    assert no_world_started()
+
+
+def test_unsupported_vae_is_refused():
+    vae = types.SimpleNamespace(first_stage_model=torch.nn.Conv2d(3, 3, 3))
+    with pytest.raises(ConfigError) as info:
+        PACK.nodes.ShardVAENode.execute(vae, config(ulysses_size=2))
+    assert str(info.value).startswith("Shard VAE: ") and "Conv2d" in str(info.value)
+    assert no_world_started()
+
+
+@pytest.mark.parametrize("devices", ["0,1", "cuda:0", "gpu", "cpu,,cpu"])
+def test_malformed_or_unavailable_devices_are_refused(devices):
+    with pytest.raises(ConfigError, match=r"^Parallel Config: devices="):
+        config(ulysses_size=2, devices=devices)
