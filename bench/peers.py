@@ -197,8 +197,12 @@ def _launch(peer: str, world: int, case: Path, threads: int, repeat: int, out: P
     result = json.loads(out.read_text()) if out.exists() else {}
     if result.get("failure") or (result and proc.returncode == 0):
         return result
-    # No usable JSON: the worker died before writing one; its stderr tail is the best evidence.
-    tail = "\n".join((proc.stderr or "").strip().splitlines()[-25:])
+    # No usable JSON: the worker died before writing one; its stderr is the best evidence, minus
+    # torchrun's own failure summary (which only says that a rank exited).
+    lines = (proc.stderr or "").strip().splitlines()
+    summary = next((i for i, line in enumerate(lines) if line.startswith("Traceback") and i and
+                    any("torch/distributed/run.py" in rest for rest in lines[i:i + 8])), len(lines))
+    tail = "\n".join(lines[:summary][-25:])
     return {"failure": f"{peer} at world size {world}: exit code {proc.returncode}\n{tail}"}
 
 
@@ -274,8 +278,3 @@ def run_peers(threads_per_rank: int, repeat: int, peers=tuple(PEERS)) -> list[di
                       file=sys.stderr, flush=True)
             records.append(record)
         return records
-
-
-def run_cachedit(threads_per_rank: int, repeat: int) -> list[dict]:
-    """Entry point for ``run.py --peers``: one record for cache-dit's Ulysses, one for diffusers'."""
-    return run_peers(threads_per_rank, repeat)

@@ -7,7 +7,7 @@
 
 Each scenario runs the same model on one rank (this process, ``--threads-per-rank``
 threads) and on the scenario's mesh (this process as rank 0 plus worker
-processes, the real runtime path), side by side in one run, and writes one JSON
+processes, the real runtime path), alternating step by step, and writes one JSON
 record per line. On the CPU every rank gets ``--threads-per-rank`` threads
 (default 1), so world size N against world size 1 mirrors N GPUs against one.
 """
@@ -55,33 +55,62 @@ def machine() -> dict:
     return info
 
 
+def activation_peaks(pids: list[int], fn) -> list[int | None]:
+    """Peak memory each process reaches while ``fn`` runs, above its resident size before:
+    the kernel's high-water mark (VmHWM) is reset through /proc/<pid>/clear_refs first."""
+    from measure import peak_rss
+    from parallel_runtime.memory import process_memory
+
+    before = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        before.append(process_memory(pid)["rss_bytes"])
+    fn()
+    return [None if b is None or peak_rss(p) is None else max(0, peak_rss(p) - b) for p, b in zip(pids, before)]
+
+
+def activation_peak(pid: int, fn) -> int | None:
+    return activation_peaks([pid], fn)[0]
+
+
 def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dict:
     import torch
 
     from measure import Timer, count_comm_bytes, peak_rss, summary
     from parallel_runtime.config import HostDevices, build_config
     from parallel_runtime.memory import process_memory
-    from parallel_runtime.plans import find_plan
+    from parallel_runtime.plans import find_plan, find_vae_plan
     from parallel_runtime.runtime import Runtime
 
     repeat = repeat or scenario.repeat
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     timer = Timer(dev)
     model, args, kwargs = scenario.build(0, scenario.batch, dev)
-    plan = find_plan(model)
+    plan = find_plan(model) or find_vae_plan(model)
+    method = getattr(type(model), scenario.method).__get__(model)
+    with_options = scenario.method == "_forward"  # VAEs take no transformer_options
+    options = {"transformer_options": {}} if with_options else {}
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    # World size 1: the plain model in this process.
+    # World size 1: the plain model in this process, on one rank's threads.
     saved_threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(threads)
-    base_samples = []
+    one_rank_threads = threads if device == "cpu" else saved_threads
+
+    def one_rank():
+        torch.set_num_threads(one_rank_threads)
+        try:
+            return method(*args, **kwargs, **options)
+        finally:
+            torch.set_num_threads(saved_threads)
+
     with torch.inference_mode():
-        reference = model._forward(*args, **kwargs, transformer_options={})  # warm-up, and the reference
-        for _ in range(repeat):
-            ms, _ = timer.time_ms(lambda: model._forward(*args, **kwargs, transformer_options={}))
-            base_samples.append(ms)
-    torch.set_num_threads(saved_threads)
+        base_activation = activation_peak(os.getpid(), one_rank)
+        reference = one_rank()  # warm-up, and the reference
+    world1_pss = process_memory(os.getpid())["pss_bytes"]  # one process holding the model, after a step
 
     # The mesh: this process is rank 0, the rest are workers.
     sizes = {f"{d}_size": v for d, v in scenario.mesh.items()}
@@ -97,12 +126,16 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
     runtime = Runtime()
     try:
         world = runtime.world_for(config)
-        forward = lambda: world.forward(model, plan, model._forward, args, {**kwargs, "transformer_options": {}},  # noqa: E731
-                                        epoch=1)
+        forward = lambda: world.forward(model, plan, method, args, {**kwargs, **options}, epoch=1)  # noqa: E731
         with torch.inference_mode():
             out = forward()  # warm-up: sends the weights
-            samples, dispatch = [], []
+            pids = [r["pid"] for r in world.status()["ranks"]]
+            activation = activation_peaks(pids, forward)
+            # One rank and the mesh in turn (the workers idle during the former), so that a shared
+            # machine's slow moments fall on both alike.
+            base_samples, samples, dispatch = [], [], []
             for _ in range(repeat):
+                base_samples.append(timer.time_ms(one_rank)[0])
                 ms, out = timer.time_ms(forward)
                 samples.append(ms)
                 dispatch.append(world.last_dispatch)
@@ -135,8 +168,12 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
         "param_fraction_per_rank_max": round(max(r["param_bytes"] for r in status["ranks"]) / model_bytes, 4),
         "rss_bytes_per_rank_max": max(peak_rss(p) or m["rss_bytes"] or 0 for p, m in zip(pids, mem)),
         "pss_bytes_per_rank": [m["pss_bytes"] for m in mem],
+        "pss_bytes_world1": world1_pss,
+        "pss_sum_over_world1": (round(sum(m["pss_bytes"] for m in mem) / world1_pss, 3)
+                                if world1_pss and all(m["pss_bytes"] for m in mem) else None),
         "comm_bytes_per_step": comm["bytes"], "collective_calls_per_step": comm["calls"],
         "dispatch_overhead_ms": round(dispatch_ms, 3),
+        "activation_peak_bytes_per_rank": activation, "activation_peak_bytes_world1": base_activation,
         "max_abs_err": err, "repeat": repeat, "notes": scenario.notes,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -144,13 +181,17 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full"])
+    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full", "vae", "memory", "none"],
+                        help="scenarios to run; 'none' with --peers runs only the peer comparison")
     parser.add_argument("--scenario", nargs="*", help="run these scenarios instead of a suite")
     parser.add_argument("--out", required=True, help="JSON-lines file for the records (appended)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument("--repeat", type=int, help="timed forwards per measurement (default: per scenario)")
-    parser.add_argument("--peers", action="store_true", help="also run cache-dit's Ulysses on the same Flux config")
+    parser.add_argument("--peers", action="store_true", help="also run cache-dit's and diffusers' Ulysses on the same Flux config and weights")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the scenarios (and peers) this many times in turn, so that a shared machine's "
+                             "load falls on all of them alike; records carry their round")
     parser.add_argument("--plots", help="directory for PNG plots of the records in --out")
     opts = parser.parse_args()
 
@@ -160,26 +201,31 @@ def main() -> int:
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     info = machine()
-    for scenario in select(opts.suite, opts.scenario):
-        print(f"[bench] {scenario.name}: {scenario.mode} {scenario.mesh} on {opts.device}, {scenario.tokens} tokens",
-              file=sys.stderr, flush=True)
-        record = run_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+
+    def write(record: dict, round_: int) -> None:
         record["machine"] = info
+        if opts.rounds > 1:
+            record["round"] = round_
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"[bench]   {record['step_ms_median']:.1f} ms vs {record['world1_ms_median']:.1f} ms on one rank: "
-              f"{record['speedup_vs_world1']:.2f}x, err {record['max_abs_err']:.1e}", file=sys.stderr, flush=True)
-    if opts.peers:
-        from peers import run_cachedit
 
-        for record in run_cachedit(opts.threads_per_rank, opts.repeat or 3):
-            record["machine"] = info
-            with out.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+    for round_ in range(1, opts.rounds + 1):
+        for scenario in select(opts.suite, opts.scenario):
+            print(f"[bench] {scenario.name}: {scenario.mode} {scenario.mesh} on {opts.device}, {scenario.tokens} tokens",
+                  file=sys.stderr, flush=True)
+            record = run_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+            write(record, round_)
+            print(f"[bench]   {record['step_ms_median']:.1f} ms vs {record['world1_ms_median']:.1f} ms on one rank: "
+                  f"{record['speedup_vs_world1']:.2f}x, err {record['max_abs_err']:.1e}", file=sys.stderr, flush=True)
+        if opts.peers:
+            from peers import run_peers
+
+            for record in run_peers(opts.threads_per_rank, opts.repeat or 3):
+                write(record, round_)
     if opts.plots:
         from plots import plot
 
-        plot(out, Path(opts.plots))
+        plot([out], Path(opts.plots))
     return 0
 
 

@@ -94,6 +94,26 @@ def build_wan(shape: WanShape, seed: int = 0, batch: int = 1, device="cpu"):
     return model, (x.to(device), t.to(device), context.to(device)), {}
 
 
+def build_kl_vae(latent_side: int, seed: int = 0, batch: int = 1, device="cpu"):
+    """A Flux.1-style KL autoencoder (16 latent channels, SD widths) and a latent to decode."""
+    import comfy.ldm.models.autoencoder
+
+    ddconfig = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    model = comfy.ldm.models.autoencoder.AutoencodingEngine(
+        regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+        encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": ddconfig},
+        decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": ddconfig})
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 / max(1, p[0].numel()) ** 0.5) if p.ndim > 1
+                    else (1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.02 * torch.randn(p.shape, generator=gen))
+    model.eval().to(device)
+    z = torch.randn(batch, 16, latent_side, latent_side, generator=gen).to(device)
+    return model, (z,), {}
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -107,6 +127,7 @@ class Scenario:
     notes: str = ""
     suites: tuple[str, ...] = ("quick", "full")
     extra: dict = field(default_factory=dict)
+    method: str = "_forward"  # the model method a step runs ("decode" for a VAE)
 
     @property
     def world_size(self) -> int:
@@ -120,6 +141,9 @@ FLUX = FluxShape()
 FLUX_SMOKE = FluxShape(hidden=128, heads=2, double=1, single=1, image_side=16, text_tokens=8, context_dim=64,
                        vec_dim=32)
 WAN = WanShape()
+# Wan-shaped with 1.2 GB of fp32 weights and few tokens: weights, not activations or each process's
+# torch and ComfyUI runtime, dominate its memory (the shared-memory measurement).
+WAN_BIG = WanShape(dim=1536, heads=12, ffn=8960, layers=6, frames=1, side=32, text_tokens=32)
 
 
 def flux(shape):
@@ -148,7 +172,13 @@ SCENARIOS = [
     Scenario("flux_ulysses2_tp2", "flux", "hybrid", {"ulysses": 2, "tp": 2}, flux(FLUX), FLUX.tokens,
              suites=("full",), notes="4 ranks: on a 2-core machine this oversubscribes the cores; memory, not speed"),
     Scenario("wan_ulysses2", "wan", "ulysses", {"ulysses": 2}, wan(WAN), WAN.tokens, suites=("full",)),
+    # VAE decode of a 512 x 512 image (64 x 64 latent): activations, not weights, dominate.
+    *[Scenario(f"vae_decode_{n}ranks", "vae_kl", "vae", {"tp": n} if n > 1 else {},
+               lambda seed, batch, device: build_kl_vae(64, seed, batch, device), 64 * 64, repeat=1,
+               suites=("full", "vae"), method="decode") for n in (1, 2, 4)],
     Scenario("wan_ring2", "wan", "ring", {"ring": 2}, wan(WAN), WAN.tokens, suites=("full",)),
+    Scenario("wan_big_ulysses2_memory", "wan", "ulysses", {"ulysses": 2}, wan(WAN_BIG), WAN_BIG.tokens, repeat=2,
+             suites=("full", "memory"), notes="1.2 GB of weights: summed PSS of both ranks against one process"),
 ]
 
 

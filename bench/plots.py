@@ -1,0 +1,135 @@
+"""Pictures and a Markdown table from benchmark records (JSON lines).
+
+    tools/run.sh python bench/plots.py bench/results bench/results/latest.jsonl [more.jsonl ...]
+
+Writes speedup.png (speedup against world size, per mode, with the ideal line),
+memory.png (weights and peak RSS of the largest rank, per scenario), table.md and
+comparison.md (this pack against the peers, per round) from the records of all the files.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _mb(b) -> str:
+    return "-" if b in (None, 0) else f"{b / 2**20:.0f} MB"
+
+
+def step_peak(record: dict) -> str:
+    """Memory one step adds on the largest rank, above what the rank held before it (and the same
+    for the model on one rank): activations and workspace, measured by the kernel's high-water mark."""
+    peaks = [p for p in record.get("activation_peak_bytes_per_rank") or [] if p is not None]
+    if not peaks:
+        return "-"
+    return f"{_mb(max(peaks))} ({_mb(record.get('activation_peak_bytes_world1'))})"
+
+
+def table(records: list[dict]) -> str:
+    head = ("| scenario | mode | mesh | world | tokens | step ms (min-max) | one rank ms | speedup | efficiency | "
+            "weights/rank | peak RSS/rank | step peak/rank (one rank) | comm/step | max abs err |")
+    rule = "|" + "---|" * 14
+    rows = [head, rule]
+    for r in records:
+        name = r["scenario"] + (f" (round {r['round']})" if r.get("round") else "")
+        mesh = " x ".join(f"{k}{v}" for k, v in (r.get("mesh") or {}).items() if v and v > 1) or "-"
+        if r.get("failure"):
+            rows.append(f"| {name} | {r['mode']} | {mesh} | {r.get('world_size')} | {r.get('tokens')} | "
+                        f"failed: {' '.join(r['failure'].split())[:100]} | | | | | | | | |")
+            continue
+        mb = _mb
+        rows.append(
+            f"| {name} | {r['mode']} | {mesh} | {r['world_size']} | {r['tokens']} | "
+            f"{r['step_ms_median']:.0f} ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}) | "
+            f"{r['world1_ms_median']:.0f} | {r['speedup_vs_world1']:.2f}x | {r.get('parallel_efficiency', 0):.2f} | "
+            f"{mb(r.get('param_bytes_per_rank_max'))} | {mb(r.get('rss_bytes_per_rank_max'))} | "
+            f"{step_peak(r)} | {mb(r.get('comm_bytes_per_step'))} | {r['max_abs_err']:.1e} |")
+    return "\n".join(rows)
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def comparison(records: list[dict]) -> str:
+    """Ours against the peers on the same Flux config: speedup per round and the median."""
+    ours = "flux_ulysses2"
+    runs: dict[str, dict] = {}
+    for r in records:
+        if r["scenario"] == ours or r.get("peer"):
+            name = r.get("peer") or "this pack"
+            runs.setdefault(name, {})[r.get("round", 1)] = r["speedup_vs_world1"]
+    if ours not in {r["scenario"] for r in records}:
+        return "(no flux_ulysses2 record)"
+    rounds = sorted({k for v in runs.values() for k in v})
+    mine = median(list(runs["this pack"].values()))
+    rows = ["| Ulysses 2, world size 2 vs 1 | " + " | ".join(f"round {k}" for k in rounds) + " | median | ours / theirs |",
+            "|---|" + "---|" * (len(rounds) + 2)]
+    for name, by_round in runs.items():
+        med = median(list(by_round.values()))
+        cells = " | ".join(f"{by_round[k]:.2f}x" if k in by_round else "failed" for k in rounds)
+        ratio = "" if name == "this pack" else f"{mine / med:.3f}"
+        rows.append(f"| {name} | {cells} | {med:.2f}x | {ratio} |")
+    return "\n".join(rows)
+
+
+def plot(records_paths: list[Path], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    every = [r for path in records_paths for r in load(path)]
+    records = [r for r in every if not r.get("failure")]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "table.md").write_text(table(every) + "\n")
+
+    (out_dir / "comparison.md").write_text(comparison(records) + "\n")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_mode: dict[str, dict[int, list]] = {}
+    for r in records:
+        if r["world_size"] > 1:
+            label = f"{r['family']} {r['mode']}" + (f" ({r['peer']})" if r.get("peer") else "")
+            by_mode.setdefault(label, {}).setdefault(r["world_size"], []).append(r["speedup_vs_world1"])
+    top = max([r["world_size"] for r in records] + [2])
+    ax.plot([1, top], [1, top], "k--", linewidth=1, label="ideal")
+    for label, by_world in sorted(by_mode.items()):
+        points = [(1, 1.0)] + sorted((w, median(s)) for w, s in by_world.items())
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xlabel("world size (ranks)")
+    ax.set_ylabel("speedup over one rank")
+    ax.set_title("Sharded step against the same model on one rank")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    records = list({r["scenario"]: r for r in records}.values())  # memory barely varies: one per scenario
+    names = [r["scenario"] for r in records]
+    weights = [r.get("param_bytes_per_rank_max", 0) / 2**20 for r in records]
+    rss = [(r.get("rss_bytes_per_rank_max") or 0) / 2**20 for r in records]
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], weights, width=0.4, label="weights of the largest rank")
+    ax.bar([x + 0.2 for x in xs], rss, width=0.4, label="peak RSS of the largest rank")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=40, ha="right", fontsize=7)
+    ax.set_ylabel("MB")
+    ax.set_title("Memory per rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "memory.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    plot([Path(a) for a in sys.argv[2:]], Path(sys.argv[1]))
