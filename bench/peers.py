@@ -197,6 +197,12 @@ def _launch(peer: str, world: int, case: Path, threads: int, repeat: int, out: P
     result = json.loads(out.read_text()) if out.exists() else {}
     if result.get("failure") or (result and proc.returncode == 0):
         return result
+    if result:
+        # Rank 0 finished measuring and wrote its result, then the run died on the way out
+        # (seen with cache-dit on gloo: "terminate called without an active exception", SIGABRT).
+        # The numbers stand; the record says what happened.
+        result["exit_note"] = f"torchrun exited with code {proc.returncode} after rank 0 wrote its result"
+        return result
     # No usable JSON: the worker died before writing one; its stderr is the best evidence, minus
     # torchrun's own failure summary (which only says that a rank exited).
     lines = (proc.stderr or "").strip().splitlines()
@@ -240,6 +246,9 @@ def _record(peer: str, case: dict, threads: int, repeat: int, base: dict, par: d
         "collective_calls_per_step": par.get("collective_calls_per_step"),
         "max_abs_err": par.get("max_abs_err"),
     })
+    notes = [n for n in (base.get("exit_note"), par.get("exit_note")) if n]
+    if notes:
+        record["exit_note"] = "; ".join(notes)
     return record
 
 

@@ -59,24 +59,32 @@ def median(values: list[float]) -> float:
 
 
 def comparison(records: list[dict]) -> str:
-    """Ours against the peers on the same Flux config: speedup per round and the median."""
+    """Ours against the peers on the same Flux config: speedup per round and the median, and the
+    sharded step itself (each side's world size 1 is its own model, so the speedups have
+    different denominators)."""
     ours = "flux_ulysses2"
     runs: dict[str, dict] = {}
     for r in records:
-        if r["scenario"] == ours or r.get("peer"):
+        if (r["scenario"] == ours or r.get("peer")) and not r.get("failure"):
             name = r.get("peer") or "this pack"
-            runs.setdefault(name, {})[r.get("round", 1)] = r["speedup_vs_world1"]
-    if ours not in {r["scenario"] for r in records}:
+            runs.setdefault(name, {})[r.get("round", 1)] = r
+    if "this pack" not in runs:
         return "(no flux_ulysses2 record)"
     rounds = sorted({k for v in runs.values() for k in v})
-    mine = median(list(runs["this pack"].values()))
-    rows = ["| Ulysses 2, world size 2 vs 1 | " + " | ".join(f"round {k}" for k in rounds) + " | median | ours / theirs |",
-            "|---|" + "---|" * (len(rounds) + 2)]
+
+    def med(by_round, key):
+        return median([r[key] for r in by_round.values()])
+
+    mine = med(runs["this pack"], "speedup_vs_world1")
+    rows = ["| Ulysses 2, world size 2 vs 1 | " + " | ".join(f"round {k}" for k in rounds)
+            + " | median speedup | ours / theirs | median world-1 step | median world-2 step |",
+            "|---|" + "---|" * (len(rounds) + 4)]
     for name, by_round in runs.items():
-        med = median(list(by_round.values()))
-        cells = " | ".join(f"{by_round[k]:.2f}x" if k in by_round else "failed" for k in rounds)
-        ratio = "" if name == "this pack" else f"{mine / med:.3f}"
-        rows.append(f"| {name} | {cells} | {med:.2f}x | {ratio} |")
+        speedup = med(by_round, "speedup_vs_world1")
+        cells = " | ".join(f"{by_round[k]['speedup_vs_world1']:.2f}x" if k in by_round else "failed" for k in rounds)
+        ratio = "" if name == "this pack" else f"{mine / speedup:.3f}"
+        rows.append(f"| {name} | {cells} | {speedup:.2f}x | {ratio} | {med(by_round, 'world1_ms_median'):.0f} ms "
+                    f"| {med(by_round, 'step_ms_median'):.0f} ms |")
     return "\n".join(rows)
 
 
@@ -91,7 +99,9 @@ def plot(records_paths: list[Path], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(table(every) + "\n")
 
-    (out_dir / "comparison.md").write_text(comparison(records) + "\n")
+    # Only files with peer records: a suite run's flux_ulysses2 was not measured beside the peers.
+    side_by_side = [r for path in records_paths if any(x.get("peer") for x in load(path)) for r in load(path)]
+    (out_dir / "comparison.md").write_text(comparison(side_by_side) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     by_mode: dict[str, dict[int, list]] = {}

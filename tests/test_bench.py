@@ -26,3 +26,31 @@ def test_smoke_scenario_writes_a_valid_record(tmp_path):
     assert record["step_ms_min"] <= record["step_ms_median"] <= record["step_ms_max"]
     assert record["max_abs_err"] <= 1e-5 and record["comm_bytes_per_step"] > 0
     assert 0 < record["param_bytes_per_rank_max"] and record["rss_bytes_per_rank_max"] > record["param_bytes_per_rank_max"]
+
+
+def _record(speedup, world1_ms, round_, peer=None, failure=None):
+    step = world1_ms / speedup if speedup else None
+    r = {"scenario": "flux_ulysses2" if peer is None else "peer_ulysses2", "family": "flux", "mode": "ulysses",
+         "mesh": {"ulysses": 2}, "world_size": 2, "tokens": 4352, "round": round_, "failure": failure,
+         "step_ms_median": step, "step_ms_min": step, "step_ms_max": step,
+         "world1_ms_median": world1_ms, "speedup_vs_world1": speedup, "parallel_efficiency": speedup and speedup / 2,
+         "max_abs_err": 1e-7}
+    if peer:
+        r["peer"] = peer
+    return r
+
+
+def test_comparison_takes_medians_over_rounds_and_skips_failed_ones():
+    sys.path.insert(0, str(REPO / "bench"))
+    import plots
+
+    records = [_record(1.6, 6000, 1), _record(1.9, 6000, 2), _record(1.8, 6000, 3),
+               _record(1.5, 7000, 1, "peer A"), _record(None, None, 2, "peer A", failure="SIGABRT"),
+               _record(1.7, 7000, 3, "peer A")]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in plots.comparison(records).splitlines()[2:]}
+    assert rows["this pack"][:4] == ["1.60x", "1.90x", "1.80x", "1.80x"]
+    assert rows["peer A"][:4] == ["1.50x", "failed", "1.70x", "1.60x"]
+    assert rows["peer A"][4] == f"{1.8 / 1.6:.3f}"
+    table = plots.table(records)
+    assert "failed: SIGABRT" in table and table.count("flux_ulysses2 (round") == 3
