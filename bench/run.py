@@ -77,6 +77,19 @@ def activation_peak(pid: int, fn) -> int | None:
     return activation_peaks([pid], fn)[0]
 
 
+def release_free_heap() -> None:
+    """Give the allocator's free pages back before measuring PSS: earlier scenarios in this process
+    leave freed but still mapped heap behind, which is not memory the model holds."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dict:
     import torch
 
@@ -110,6 +123,7 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
     with torch.inference_mode():
         base_activation = activation_peak(os.getpid(), one_rank)
         reference = one_rank()  # warm-up, and the reference
+    release_free_heap()
     world1_pss = process_memory(os.getpid())["pss_bytes"]  # one process holding the model, after a step
 
     # The mesh: this process is rank 0, the rest are workers.
@@ -144,6 +158,7 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
         err = (out.float() - reference.float()).abs().max().item()
         status = world.status()
         pids = [r["pid"] for r in status["ranks"]]
+        release_free_heap()
         mem = [process_memory(p) for p in pids]
     finally:
         runtime.shutdown("benchmark done")
