@@ -17,6 +17,8 @@ import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
+from comfyui_location import comfyui_path as find_comfyui  # run as a script: its folder is on sys.path
+
 PACK_ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "worker.py"
 
@@ -41,13 +43,10 @@ def local_devices(spec: str) -> list[str]:
 
 
 def comfyui_path() -> str:
-    env = os.environ.get("COMFYUI_PATH")
-    if env:
-        return env
-    host = PACK_ROOT / ".host" / "host.json"
-    if host.exists():
-        return json.loads(host.read_text())["comfyui_path"]
-    raise SystemExit("set COMFYUI_PATH to this host's ComfyUI (tools/remote_worker.sh does it)")
+    try:
+        return find_comfyui("set COMFYUI_PATH to this host's ComfyUI (tools/remote_worker.sh does it)")
+    except LookupError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def connect(address: str, key: bytes, name: str, info: dict):

@@ -12,12 +12,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.append(str(REPO))  # after ComfyUI's root: its nodes.py must win over our nodes/
 
 from comfy_server import ComfyServer  # noqa: E402
+from parallel_runtime.comfyui_location import comfyui_path  # noqa: E402
 from workflows import _input_order, _is_widget  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "example_workflows"
 
 
@@ -346,8 +348,8 @@ WORKFLOWS = {
 
 
 def main() -> None:
-    host = json.loads((REPO / ".host" / "host.json").read_text())
-    with tempfile.TemporaryDirectory() as tmp, ComfyServer(host["comfyui_path"], tmp) as server:
+    root = comfyui_path("run python3 tools/host.py first")
+    with tempfile.TemporaryDirectory() as tmp, ComfyServer(root, tmp) as server:
         info = server.object_info()
     OUT.mkdir(exist_ok=True)
     for name, build in WORKFLOWS.items():

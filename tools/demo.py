@@ -17,8 +17,10 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
+sys.path.append(str(REPO))  # after ComfyUI's root: its nodes.py must win over our nodes/
 
 from comfy_server import ComfyServer  # noqa: E402
+from parallel_runtime.comfyui_location import host_record  # noqa: E402
 from workflows import find_nodes, load, ui_to_api  # noqa: E402
 
 WORKFLOW = REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json"
@@ -58,7 +60,7 @@ def main() -> int:
                         help="one comparison per seed; the first sharded run includes starting the workers")
     opts = parser.parse_args()
 
-    host = json.loads((REPO / ".host" / "host.json").read_text())
+    host = host_record("run the demo with tools/demo.sh (it sets up the host)")
     import_comfy(host["comfyui_path"])
     from tiny_models import DEMO_FILES, write_tiny_wan_files
 
