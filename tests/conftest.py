@@ -6,8 +6,6 @@ top-level package, the way the workers import it.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,19 +14,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _comfyui_path() -> str:
-    env = os.environ.get("COMFYUI_PATH")
-    if env:
-        return env
-    host = REPO / ".host" / "host.json"
-    if host.exists():
-        return json.loads(host.read_text())["comfyui_path"]
-    raise RuntimeError("ComfyUI not found: run the tests with tools/test.sh (it sets up the host)")
-
-
-COMFYUI_PATH = _comfyui_path()
-sys.path.insert(0, COMFYUI_PATH)
 sys.path.append(str(REPO))
+from parallel_runtime.comfyui_location import comfyui_path as _comfyui_path  # noqa: E402
+
+COMFYUI_PATH = _comfyui_path("run the tests with tools/test.sh (it sets up the host)")
+sys.path.insert(0, COMFYUI_PATH)
 sys.path.append(str(REPO / "tools"))
 
 import comfy.options  # noqa: E402,F401
@@ -113,3 +103,20 @@ def cpu_world(runtime, sizes: dict, config_module=None):
     config = config_module.build_config(**sizes, devices=",".join(["cpu"] * n),
                                         host=config_module.HostDevices("cpu"))
     return runtime.world_for(config)
+
+
+def single_process_references(cases: dict):
+    """case name -> (model, args, kwargs, the model's output in this one process), each built
+    on first use and kept for the module."""
+    import torch
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model, args, kwargs = cases[name]()
+            with torch.inference_mode():
+                ref = model(*args, **kwargs, transformer_options={})
+            cache[name] = (model, args, kwargs, ref)
+        return cache[name]
+    return get

@@ -102,18 +102,23 @@ def flux1_kontext():
     return flux1(), (x, torch.tensor([0.6, 0.4]), randn(2, 9, 64, seed=27)), kwargs
 
 
-@case("flux2")
-def flux2():
+def flux2_case(heads, axes_dim, seed):
+    """A two-head or four-head Flux.2 with a 3 x 3 reference image after 35 image tokens."""
     from comfy.ldm.flux.model import Flux
 
     model = seeded(Flux(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
-                        hidden_size=256, mlp_ratio=3.0, num_heads=2, depth=1, depth_single_blocks=2,
-                        axes_dim=[32, 32, 32, 32], theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True,
+                        hidden_size=256, mlp_ratio=3.0, num_heads=heads, depth=1, depth_single_blocks=2,
+                        axes_dim=axes_dim, theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True,
                         global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
-                        ref_index_scale=10.0, dtype=torch.float32, device="cpu", operations=OPS), seed=40)
-    x = randn(2, 128, 5, 7, seed=41)  # 35 tokens, plus a 3 x 3 reference
-    kwargs = {"guidance": torch.tensor([4.0, 4.0]), "ref_latents": [randn(2, 128, 3, 3, seed=42)]}
-    return model, (x, torch.tensor([0.8, 0.2]), randn(2, 11, 64, seed=43)), kwargs
+                        ref_index_scale=10.0, dtype=torch.float32, device="cpu", operations=OPS), seed=seed)
+    x = randn(2, 128, 5, 7, seed=seed + 1)
+    kwargs = {"guidance": torch.tensor([4.0, 4.0]), "ref_latents": [randn(2, 128, 3, 3, seed=seed + 2)]}
+    return model, (x, torch.tensor([0.8, 0.2]), randn(2, 11, 64, seed=seed + 3)), kwargs
+
+
+@case("flux2")
+def flux2():
+    return flux2_case(2, [32, 32, 32, 32], seed=40)
 
 
 @case("chroma_controlnet")
@@ -177,19 +182,24 @@ def z_image():
     return model, (x, torch.tensor([0.4, 0.8]), randn(2, 7, 64, seed=75), 7), {}
 
 
-@case("hunyuan_video")
-def hunyuan_video():
+def hunyuan_case(heads, axes_dim, seed):
+    """HunyuanVideo with 3 x 3 x 5 = 45 video tokens and 10 text tokens."""
     from comfy.ldm.hunyuan_video.model import HunyuanVideo
 
     model = seeded(HunyuanVideo(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768,
-                                context_in_dim=64, hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=1,
-                                depth_single_blocks=2, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 2, 2],
+                                context_in_dim=64, hidden_size=256, mlp_ratio=4.0, num_heads=heads, depth=1,
+                                depth_single_blocks=2, axes_dim=axes_dim, theta=256, patch_size=[1, 2, 2],
                                 qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
                                 use_cond_type_embedding=False, vision_in_dim=None, dtype=torch.float32,
-                                device="cpu", operations=OPS), seed=80)
-    x = randn(2, 16, 3, 6, 10, seed=81)  # 3 x 3 x 5 = 45 video tokens, 10 text tokens
-    kwargs = {"y": randn(2, 768, seed=82), "guidance": torch.tensor([6.0, 6.0])}
-    return model, (x, torch.tensor([500.0, 900.0]), randn(2, 10, 64, seed=83)), kwargs
+                                device="cpu", operations=OPS), seed=seed)
+    x = randn(2, 16, 3, 6, 10, seed=seed + 1)
+    kwargs = {"y": randn(2, 768, seed=seed + 2), "guidance": torch.tensor([6.0, 6.0])}
+    return model, (x, torch.tensor([500.0, 900.0]), randn(2, 10, 64, seed=seed + 3)), kwargs
+
+
+@case("hunyuan_video")
+def hunyuan_video():
+    return hunyuan_case(2, [16, 56, 56], seed=80)
 
 
 @case("hunyuan_video_ref_latent")
@@ -280,16 +290,7 @@ def flux1_4heads():
 
 @tp_case("flux2_4heads")
 def flux2_4heads():
-    from comfy.ldm.flux.model import Flux
-
-    model = seeded(Flux(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
-                        hidden_size=256, mlp_ratio=3.0, num_heads=4, depth=1, depth_single_blocks=2,
-                        axes_dim=[16, 16, 16, 16], theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True,
-                        global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
-                        ref_index_scale=10.0, dtype=torch.float32, device="cpu", operations=OPS), seed=115)
-    x = randn(2, 128, 5, 7, seed=116)
-    kwargs = {"guidance": torch.tensor([4.0, 4.0]), "ref_latents": [randn(2, 128, 3, 3, seed=117)]}
-    return model, (x, torch.tensor([0.8, 0.2]), randn(2, 11, 64, seed=118)), kwargs
+    return flux2_case(4, [16, 16, 16, 16], seed=115)
 
 
 @tp_case("qwen_image_4heads_controlnet")
@@ -307,14 +308,4 @@ def qwen_4heads():
 
 @tp_case("hunyuan_video_4heads")
 def hunyuan_4heads():
-    from comfy.ldm.hunyuan_video.model import HunyuanVideo
-
-    model = seeded(HunyuanVideo(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768,
-                                context_in_dim=64, hidden_size=256, mlp_ratio=4.0, num_heads=4, depth=1,
-                                depth_single_blocks=2, axes_dim=[16, 24, 24], theta=256, patch_size=[1, 2, 2],
-                                qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
-                                use_cond_type_embedding=False, vision_in_dim=None, dtype=torch.float32,
-                                device="cpu", operations=OPS), seed=125)
-    x = randn(2, 16, 3, 6, 10, seed=126)
-    kwargs = {"y": randn(2, 768, seed=127), "guidance": torch.tensor([6.0, 6.0])}
-    return model, (x, torch.tensor([500.0, 900.0]), randn(2, 10, 64, seed=128)), kwargs
+    return hunyuan_case(4, [16, 24, 24], seed=125)

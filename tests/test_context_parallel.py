@@ -6,7 +6,7 @@ Meshes: Ulysses 2, Ring 2, USP 2x2 (4 ranks), cfg 2 x Ulysses 2 (4 ranks).
 import pytest
 import torch
 
-from conftest import cpu_world
+from conftest import cpu_world, single_process_references
 from families import CASES
 from parallel_runtime.plans import find_plan
 
@@ -27,16 +27,7 @@ def world(request, runtime):
 
 @pytest.fixture(scope="module")
 def built():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            model, args, kwargs = CASES[name]()
-            with torch.inference_mode():
-                ref = model(*args, **kwargs, transformer_options={})
-            cache[name] = (model, args, kwargs, ref)
-        return cache[name]
-    return get
+    return single_process_references(CASES)
 
 
 def run(world, model, args, kwargs, **kw):

@@ -25,8 +25,10 @@ def ip(*args, check=True):
 
 @pytest.fixture()
 def namespaces():
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs iproute2 and root, which this machine does not give")
+    if shutil.which("ip") is None:
+        pytest.skip("the two-host test builds network namespaces with iproute2's `ip`, which is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("the two-host test builds network namespaces, which needs root; run the suite as root")
     for ns in (NS_A, NS_B):
         ip("netns", "del", ns, check=False)
     probe = ip("netns", "add", NS_A, check=False)

@@ -12,10 +12,19 @@ import pytest
 
 from comfy_server import ComfyServer, PromptFailed
 from test_comfy_e2e import TOL, edited, final_latent, status
-from test_comfy_e2e import wait_for_forwards as wait_forwards
 from workflows import find_nodes, remove_passthrough
 
 pytestmark = pytest.mark.comfy_server
+
+
+def wait_forwards(server, rank, count, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ranks = status(server)["ranks"]
+        if len(ranks) > rank and (ranks[rank].get("forwards") or 0) >= count:
+            return ranks[rank]
+        time.sleep(0.05)
+    raise TimeoutError(f"rank {rank} did not reach {count} forwards")
 
 
 def test_killed_worker_five_times(tiny_server, tiny_prompt):
@@ -33,21 +42,25 @@ def test_killed_worker_five_times(tiny_server, tiny_prompt):
             tiny_server.wait(prompt_id, timeout=60)
         recoveries.append(time.monotonic() - killed)
         assert "rank 1" in str(info.value) and "killed by signal 9" in str(info.value)
+    # The next prompt starts fresh workers and gives the right answer.
     again = final_latent(tiny_server, tiny_prompt)
     assert (again - reference).abs().max().item() <= TOL
+    assert status(tiny_server)["ranks"][1]["pid"] != victim["pid"]
     print(f"\nerror after SIGKILL in {', '.join(f'{t:.2f}' for t in recoveries)} s")
     assert max(recoveries) < 30
 
 
 def test_cancel_leaves_every_rank_idle_within_5s(tiny_server, tiny_prompt):
     tiny_server.run(edited(tiny_prompt, KSampler={"seed": 51}), timeout=300)
+    pids = [r["pid"] for r in status(tiny_server)["ranks"]]
     start = status(tiny_server)["ranks"][1]["forwards"]
     prompt_id = tiny_server.queue(edited(tiny_prompt, KSampler={"steps": 400, "seed": 52}))
     wait_forwards(tiny_server, 1, start + 3)
     tiny_server.interrupt()
     cancelled = time.monotonic()
-    with pytest.raises(PromptFailed):
+    with pytest.raises(PromptFailed) as info:
         tiny_server.wait(prompt_id, timeout=30)
+    assert any(m[0] == "execution_interrupted" for m in info.value.status.get("messages", []))
     # Idle: no rank's step count moves any more.
     previous = None
     while True:
@@ -59,7 +72,10 @@ def test_cancel_leaves_every_rank_idle_within_5s(tiny_server, tiny_prompt):
     idle_after = time.monotonic() - cancelled
     print(f"\nevery rank idle {idle_after:.2f} s after Cancel")
     assert idle_after < 5
+    # The workers survived the cancel (no reload of the weights) and serve the next prompt.
+    assert all(r["alive"] for r in status(tiny_server)["ranks"])
     tiny_server.run(edited(tiny_prompt, KSampler={"seed": 53}), timeout=300)
+    assert [r["pid"] for r in status(tiny_server)["ranks"]] == pids
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ their own shard of the weights.
 import pytest
 import torch
 
-from conftest import cpu_world
+from conftest import cpu_world, single_process_references
 from families import TP_CASES
 from parallel_runtime.plans import find_plan
 from parallel_runtime.tensor_parallel import TensorParallelError, build_shard
@@ -33,16 +33,7 @@ def world(request, runtime):
 
 @pytest.fixture(scope="module")
 def built():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            model, args, kwargs = TP_CASES[name]()
-            with torch.inference_mode():
-                ref = model(*args, **kwargs, transformer_options={})
-            cache[name] = (model, args, kwargs, ref)
-        return cache[name]
-    return get
+    return single_process_references(TP_CASES)
 
 
 @pytest.mark.parametrize("case", list(TP_CASES))
