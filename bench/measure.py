@@ -41,15 +41,15 @@ def summary(samples: list[float]) -> dict:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
 
-def _nbytes(obj) -> int:
+def nbytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
+        return sum(nbytes(o) for o in obj)
     tensor = getattr(obj, "tensor", None)  # dist.P2POp
     op = getattr(obj, "op", None)
     if isinstance(tensor, torch.Tensor):
-        return _nbytes(tensor) if op is dist.isend else 0
+        return nbytes(tensor) if op is dist.isend else 0
     return 0
 
 
@@ -67,11 +67,11 @@ def count_comm_bytes():
         def wrapped(*args, _fn=fn, _name=name, **kwargs):
             counter["calls"] += 1
             if _name == "all_to_all_single":
-                counter["bytes"] += _nbytes(args[1] if len(args) > 1 else kwargs["input"])
+                counter["bytes"] += nbytes(args[1] if len(args) > 1 else kwargs["input"])
             elif _name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor"):
-                counter["bytes"] += _nbytes(args[1] if len(args) > 1 else kwargs.get("input_tensor"))
+                counter["bytes"] += nbytes(args[1] if len(args) > 1 else kwargs.get("input_tensor"))
             else:
-                counter["bytes"] += _nbytes(args[0] if args else next(iter(kwargs.values())))
+                counter["bytes"] += nbytes(args[0] if args else next(iter(kwargs.values())))
             return _fn(*args, **kwargs)
         setattr(dist, name, wrapped)
     try:

@@ -24,16 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-def peak_rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+from measure import nbytes, peak_rss  # bench/ is on the path: torchrun runs this file from there
 
 
 class CommCounter(TorchDispatchMode):
@@ -61,16 +52,8 @@ class CommCounter(TorchDispatchMode):
         if namespace in ("_c10d_functional", "c10d") and name not in self.NOT_COLLECTIVES:
             self.calls += 1
             payload = args[1] if namespace == "c10d" and name in self.OUTPUT_FIRST else args[0]
-            self.bytes += _nbytes(payload)
+            self.bytes += nbytes(payload)
         return func(*args, **(kwargs or {}))
-
-
-def _nbytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
-    return 0
 
 
 def parallelize_cachedit(model, world: int):
@@ -159,7 +142,7 @@ def run(opts) -> dict:
     if opts.reference:
         reference = torch.load(opts.reference)
         result["max_abs_err"] = (out.float() - reference.float()).abs().max().item()
-    rss = peak_rss_bytes()
+    rss = peak_rss(os.getpid())
     if world > 1:
         every = [None] * world
         dist.all_gather_object(every, rss)

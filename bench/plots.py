@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from statistics import median
 
 
 def load(path: Path) -> list[dict]:
@@ -52,12 +53,6 @@ def table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def comparison(records: list[dict]) -> str:
     """Ours against the peers on the same Flux config: speedup per round and the median, and the
     sharded step itself (each side's world size 1 is its own model, so the speedups have
@@ -94,13 +89,14 @@ def plot(records_paths: list[Path], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    every = [r for path in records_paths for r in load(path)]
+    files = [load(path) for path in records_paths]
+    every = [r for records in files for r in records]
     records = [r for r in every if not r.get("failure")]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(table(every) + "\n")
 
     # Only files with peer records: a suite run's flux_ulysses2 was not measured beside the peers.
-    side_by_side = [r for path in records_paths if any(x.get("peer") for x in load(path)) for r in load(path)]
+    side_by_side = [r for records in files if any(x.get("peer") for x in records) for r in records]
     (out_dir / "comparison.md").write_text(comparison(side_by_side) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 4))

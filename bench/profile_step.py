@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from run import _import_comfy
+from run import _import_comfy, mesh_config, scenario_call
 
 
 def profile(fn, steps: int = 2):
@@ -43,28 +43,24 @@ def main() -> int:
     _import_comfy("cpu")
     import torch
 
-    from parallel_runtime.config import HostDevices, build_config
-    from parallel_runtime.plans import find_plan
     from parallel_runtime.runtime import Runtime
     from scenarios import select
 
     (scenario,) = select("none", [opts.scenario])
     model, args, kwargs = scenario.build(0, scenario.batch, "cpu")
-    method = getattr(type(model), scenario.method).__get__(model)
-    options = {"transformer_options": {}} if scenario.method == "_forward" else {}
+    plan, method, options = scenario_call(scenario, model)
     torch.set_num_threads(opts.threads_per_rank)
     with torch.inference_mode():
         single = profile(lambda: method(*args, **kwargs, **options))
 
     os.environ["PARALLEL_CPU_THREADS_PER_RANK"] = str(opts.threads_per_rank)
     n = scenario.world_size
-    config = build_config(**{f"{d}_size": v for d, v in scenario.mesh.items()}, devices=",".join(["cpu"] * n),
-                          host=HostDevices("cpu", cpu_count=max(os.cpu_count() or 1, n)))
+    config = mesh_config(scenario, "cpu")
     runtime = Runtime()
     try:
         world = runtime.world_for(config)
         with torch.inference_mode():
-            sharded = profile(lambda: world.forward(model, find_plan(model), method, args, {**kwargs, **options},
+            sharded = profile(lambda: world.forward(model, plan, method, args, {**kwargs, **options},
                                                     epoch=1))
     finally:
         runtime.shutdown("profile done")

@@ -28,9 +28,9 @@ sys.path.append(str(BENCH))
 
 
 def _import_comfy(device: str) -> None:
-    host = REPO / ".host" / "host.json"
-    path = os.environ.get("COMFYUI_PATH") or json.loads(host.read_text())["comfyui_path"]
-    sys.path.insert(0, path)
+    from parallel_runtime.comfyui_location import comfyui_path
+
+    sys.path.insert(0, comfyui_path("run the benchmarks with tools/run.sh (it sets up the host)"))
     import comfy.options  # noqa: F401
     import comfy.cli_args
 
@@ -90,23 +90,41 @@ def release_free_heap() -> None:
         pass
 
 
+def scenario_call(scenario, model):
+    """The model's plan, the method the scenario times, and the keyword arguments it needs."""
+    from parallel_runtime.plans import find_plan, find_vae_plan
+
+    method = getattr(type(model), scenario.method).__get__(model)
+    options = {"transformer_options": {}} if scenario.method == "_forward" else {}  # VAEs take none
+    return find_plan(model) or find_vae_plan(model), method, options
+
+
+def mesh_config(scenario, device: str):
+    """The scenario's mesh: one CPU rank per slot, or this host's GPUs."""
+    import torch
+
+    from parallel_runtime.config import HostDevices, build_config
+
+    sizes = {f"{d}_size": v for d, v in scenario.mesh.items()}
+    if device == "cpu":
+        n = scenario.world_size
+        return build_config(**sizes, devices=",".join(["cpu"] * n),
+                            host=HostDevices("cpu", cpu_count=max(os.cpu_count() or 1, n)))
+    return build_config(**sizes, devices="auto", host=HostDevices("cuda:0", cuda_count=torch.cuda.device_count()))
+
+
 def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dict:
     import torch
 
     from measure import Timer, count_comm_bytes, peak_rss, summary
-    from parallel_runtime.config import HostDevices, build_config
     from parallel_runtime.memory import process_memory
-    from parallel_runtime.plans import find_plan, find_vae_plan
     from parallel_runtime.runtime import Runtime
 
     repeat = repeat or scenario.repeat
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     timer = Timer(dev)
     model, args, kwargs = scenario.build(0, scenario.batch, dev)
-    plan = find_plan(model) or find_vae_plan(model)
-    method = getattr(type(model), scenario.method).__get__(model)
-    with_options = scenario.method == "_forward"  # VAEs take no transformer_options
-    options = {"transformer_options": {}} if with_options else {}
+    plan, method, options = scenario_call(scenario, model)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     # World size 1: the plain model in this process, on one rank's threads.
@@ -127,16 +145,10 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
     world1_pss = process_memory(os.getpid())["pss_bytes"]  # one process holding the model, after a step
 
     # The mesh: this process is rank 0, the rest are workers.
-    sizes = {f"{d}_size": v for d, v in scenario.mesh.items()}
     world_size = scenario.world_size
     if device == "cpu":
         os.environ["PARALLEL_CPU_THREADS_PER_RANK"] = str(threads)
-        host = HostDevices("cpu", cpu_count=max(os.cpu_count() or 1, world_size))
-        devices = ",".join(["cpu"] * world_size)
-    else:
-        host = HostDevices("cuda:0", cuda_count=torch.cuda.device_count())
-        devices = "auto"
-    config = build_config(**sizes, devices=devices, host=host)
+    config = mesh_config(scenario, device)
     runtime = Runtime()
     try:
         world = runtime.world_for(config)
