@@ -55,22 +55,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_base_dir(base_dir: Path) -> Path:
-    """A ComfyUI base directory whose custom_nodes holds a link to this checkout."""
+def prepare_base_dir(base_dir: Path, extra_custom_nodes=()) -> Path:
+    """A ComfyUI base directory whose custom_nodes holds a link to this checkout (and to any
+    ``extra_custom_nodes`` folders, such as the tests' own extension)."""
     base_dir = Path(base_dir)
     for sub in ("models", "input", "output", "user", "custom_nodes", "temp"):
         (base_dir / sub).mkdir(parents=True, exist_ok=True)
-    link = base_dir / "custom_nodes" / PACK_NAME
-    if not link.exists():
-        link.symlink_to(REPO, target_is_directory=True)
+    for name, target in [(PACK_NAME, REPO), *((Path(p).name, Path(p)) for p in extra_custom_nodes)]:
+        link = base_dir / "custom_nodes" / name
+        if not link.exists():
+            link.symlink_to(Path(target).resolve(), target_is_directory=True)
     return base_dir
 
 
 class ComfyServer:
     def __init__(self, comfyui_path: str | Path, base_dir: str | Path, python: str = sys.executable,
-                 port: int | None = None, extra_args=(), env: dict | None = None, log_path: Path | None = None):
+                 port: int | None = None, extra_args=(), env: dict | None = None, log_path: Path | None = None,
+                 extra_custom_nodes=()):
         self.comfyui_path = Path(comfyui_path)
-        self.base_dir = prepare_base_dir(Path(base_dir))
+        self.base_dir = prepare_base_dir(Path(base_dir), extra_custom_nodes)
         self.python = python
         self.port = port or free_port()
         self.extra_args = list(extra_args)

@@ -13,6 +13,7 @@ Used by the demo and the tests (nothing is downloaded). Needs ComfyUI importable
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,9 +150,12 @@ def _random_state_dict(module_factory, seed: int, dtype=torch.float16) -> dict[s
     gen = torch.Generator().manual_seed(seed)
     sd = {}
     for key, meta in sorted(model.state_dict().items()):
+        if not meta.dtype.is_floating_point:  # counters such as BatchNorm's num_batches_tracked
+            sd[key] = torch.zeros(meta.shape, dtype=meta.dtype)
+            continue
         if meta.ndim <= 1:
-            base = 1.0 if key.endswith(("scale", "gamma", "norm.weight")) or ".norm" in key else 0.0
-            value = base + 0.02 * torch.randn(meta.shape, generator=gen)
+            ones = key.endswith(("scale", "gamma", "norm.weight", "running_var")) or ".norm" in key
+            value = (1.0 if ones else 0.0) + 0.02 * torch.randn(meta.shape, generator=gen)
         else:
             value = torch.randn(meta.shape, generator=gen) * (0.5 / meta[0].numel() ** 0.5)
         sd[key] = value.to(dtype)
@@ -195,6 +199,38 @@ def flux_vae_state_dict(seed: int = 13) -> dict[str, torch.Tensor]:
         dtype=torch.float32)
 
 
+FLUX2_TEXT_DIM = 64  # detection reads it from txt_in (the real Mistral 3 Small gives 15360)
+# FLUX.2's detection fixes 48 heads of 128 (width 6144, about two billion parameters for one
+# block of each kind). The tiny file states its own heads and rope axes in its safetensors
+# metadata, in the ``config`` -> ``transformer`` form ComfyUI reads from LTXV files; stock
+# ComfyUI ignores it for FLUX.2, the tests' server applies it (tests/comfy_extensions).
+FLUX2_CONFIG = {"num_heads": 4, "axes_dim": [16, 16, 16, 16]}
+
+
+def flux2_state_dict(seed: int = 17) -> dict[str, torch.Tensor]:
+    """FLUX.2 at width 256 (4 heads of 64: room for Ulysses 2 x TP 2), one double and one single block."""
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    return _random_state_dict(lambda: comfy.ldm.flux.model.Flux(
+        image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=FLUX2_TEXT_DIM,
+        hidden_size=256, mlp_ratio=3.0, depth=1, depth_single_blocks=1, theta=2000, patch_size=1, qkv_bias=False,
+        guidance_embed=True, global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
+        ref_index_scale=10.0, dtype=torch.float32, operations=comfy.ops.disable_weight_init, **FLUX2_CONFIG), seed)
+
+
+def flux2_vae_state_dict(seed: int = 18) -> dict[str, torch.Tensor]:
+    """The FLUX.2 autoencoder's layout (32 latent channels, quant convs, a batch norm over 2 x 2
+    patches that makes 128 channels): VAELoader fixes its widths too, about 84M parameters."""
+    import comfy.ldm.models.autoencoder
+
+    ddconfig = {"double_z": True, "z_channels": 32, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0,
+                "batch_norm_latent": True}
+    return _random_state_dict(lambda: comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=ddconfig, embed_dim=32),
+                              seed, dtype=torch.float32)
+
+
 TINY_FILES = {
     "unet": "tiny_wan21_t2v.safetensors",
     "vae": "tiny_wan21_vae.safetensors",
@@ -209,13 +245,18 @@ TINY_FILES = {
     "flux_vae": "tiny_flux_ae.safetensors",
     "flux_prompt_dataset": "tiny_flux_prompt",
     "qwen_prompt_dataset": "tiny_qwen_prompt",
+    "flux2": "tiny_flux2.safetensors",
+    "flux2_vae": "tiny_flux2_vae.safetensors",
+    "flux2_prompt_dataset": "tiny_flux2_prompt",
     "hunyuan_prompt_dataset": "tiny_hunyuan_prompt",
 }
 
 
 DEMO_FILES = ("unet", "vae", "lora_a", "lora_b", "prompt_dataset")
 # The large ones (Flux.1, Qwen-Image at the widths their detection fixes) only for the example-workflow test.
-LARGE_FILES = ("flux1", "qwen_image", "flux_vae", "flux_prompt_dataset", "qwen_prompt_dataset")
+LARGE_FILES = ("flux1", "qwen_image", "flux_vae", "flux_prompt_dataset", "qwen_prompt_dataset",
+               "flux2", "flux2_vae", "flux2_prompt_dataset")
+FILE_METADATA = {"flux2": {"config": json.dumps({"transformer": FLUX2_CONFIG})}}
 
 
 def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -> dict[str, Path]:
@@ -239,6 +280,9 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         "flux_prompt_dataset": base_dir / "output" / TINY_FILES["flux_prompt_dataset"],
         "qwen_prompt_dataset": base_dir / "output" / TINY_FILES["qwen_prompt_dataset"],
         "hunyuan_prompt_dataset": base_dir / "output" / TINY_FILES["hunyuan_prompt_dataset"],
+        "flux2": base_dir / "models" / "diffusion_models" / TINY_FILES["flux2"],
+        "flux2_vae": base_dir / "models" / "vae" / TINY_FILES["flux2_vae"],
+        "flux2_prompt_dataset": base_dir / "output" / TINY_FILES["flux2_prompt_dataset"],
     }
     makers = {
         "unet": lambda: wan_state_dict(spec),
@@ -253,6 +297,8 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         "flux1": flux1_state_dict,
         "qwen_image": qwen_image_state_dict,
         "flux_vae": flux_vae_state_dict,
+        "flux2": flux2_state_dict,
+        "flux2_vae": flux2_vae_state_dict,
     }
     for name, make in makers.items():
         if only is not None and name not in only:
@@ -261,14 +307,16 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".partial")
-            save_file(make(), str(tmp))
+            save_file(make(), str(tmp), metadata=FILE_METADATA.get(name))
             os.replace(tmp, path)
     if (only is None or "prompt_dataset" in only) and not (paths["prompt_dataset"] / "shard_0000.pkl").exists():
         write_conditioning_dataset(paths["prompt_dataset"], prompt_embedding())
     prompts = {"flux_prompt_dataset": (prompt_embedding(tokens=9, seed=14, text_dim=4096),
                                        {"pooled_output": torch.randn(1, 768, generator=torch.Generator().manual_seed(15)),
                                         "guidance": 3.5}),
-               "qwen_prompt_dataset": (prompt_embedding(tokens=9, seed=16, text_dim=3584), {})}
+               "qwen_prompt_dataset": (prompt_embedding(tokens=9, seed=16, text_dim=3584), {}),
+               "flux2_prompt_dataset": (prompt_embedding(tokens=9, seed=19, text_dim=FLUX2_TEXT_DIM),
+                                        {"pooled_output": None})}  # as ComfyUI's Mistral encoder gives
     for name, (embedding, extra) in prompts.items():
         if (only is None or name in only) and not (paths[name] / "shard_0000.pkl").exists():
             write_conditioning_dataset(paths[name], embedding, extra=extra)
