@@ -190,7 +190,10 @@ Parallel Config. cache-dit measured Ulysses-4 x TP-2 faster than TP-8 on 8 cards
 Models (Comfy-Org/flux2-dev):
   diffusion_models/flux2_dev_fp8mixed.safetensors
   text_encoders/mistral_3_small_flux2_bf16.safetensors
-  vae/flux2-vae.safetensors"""
+  vae/flux2-vae.safetensors
+
+ComfyUI 0.3.75's Mistral tokenizer needs transformers 4.x: with transformers 5 CLIPLoader fails
+("MistralConverter ... 'vocab_file'"); see the pack's README, Troubleshooting."""
 
 WAN22_NOTE = """Wan 2.2 T2V 14B on 4 GPUs: high-noise and low-noise experts, each sharded.
 
