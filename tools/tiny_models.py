@@ -199,7 +199,9 @@ def flux_vae_state_dict(seed: int = 13) -> dict[str, torch.Tensor]:
         dtype=torch.float32)
 
 
-FLUX2_TEXT_DIM = 64  # detection reads it from txt_in (the real Mistral 3 Small gives 15360)
+# Detection reads the text width from txt_in (Mistral 3 Small gives 15360): 768 is T5-base's, the
+# encoder that stands in for Mistral in the FLUX.2 example's test.
+FLUX2_TEXT_DIM = 768
 # FLUX.2's detection fixes 48 heads of 128 (width 6144, about two billion parameters for one
 # block of each kind). The tiny file states its own heads and rope axes in its safetensors
 # metadata, in the ``config`` -> ``transformer`` form ComfyUI reads from LTXV files; stock
@@ -247,7 +249,6 @@ TINY_FILES = {
     "qwen_prompt_dataset": "tiny_qwen_prompt",
     "flux2": "tiny_flux2.safetensors",
     "flux2_vae": "tiny_flux2_vae.safetensors",
-    "flux2_prompt_dataset": "tiny_flux2_prompt",
     "hunyuan_prompt_dataset": "tiny_hunyuan_prompt",
 }
 
@@ -255,7 +256,7 @@ TINY_FILES = {
 DEMO_FILES = ("unet", "vae", "lora_a", "lora_b", "prompt_dataset")
 # The large ones (Flux.1, Qwen-Image at the widths their detection fixes) only for the example-workflow test.
 LARGE_FILES = ("flux1", "qwen_image", "flux_vae", "flux_prompt_dataset", "qwen_prompt_dataset",
-               "flux2", "flux2_vae", "flux2_prompt_dataset")
+               "flux2", "flux2_vae")
 FILE_METADATA = {"flux2": {"config": json.dumps({"transformer": FLUX2_CONFIG})}}
 
 
@@ -282,7 +283,6 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         "hunyuan_prompt_dataset": base_dir / "output" / TINY_FILES["hunyuan_prompt_dataset"],
         "flux2": base_dir / "models" / "diffusion_models" / TINY_FILES["flux2"],
         "flux2_vae": base_dir / "models" / "vae" / TINY_FILES["flux2_vae"],
-        "flux2_prompt_dataset": base_dir / "output" / TINY_FILES["flux2_prompt_dataset"],
     }
     makers = {
         "unet": lambda: wan_state_dict(spec),
@@ -314,9 +314,7 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
     prompts = {"flux_prompt_dataset": (prompt_embedding(tokens=9, seed=14, text_dim=4096),
                                        {"pooled_output": torch.randn(1, 768, generator=torch.Generator().manual_seed(15)),
                                         "guidance": 3.5}),
-               "qwen_prompt_dataset": (prompt_embedding(tokens=9, seed=16, text_dim=3584), {}),
-               "flux2_prompt_dataset": (prompt_embedding(tokens=9, seed=19, text_dim=FLUX2_TEXT_DIM),
-                                        {"pooled_output": None})}  # as ComfyUI's Mistral encoder gives
+               "qwen_prompt_dataset": (prompt_embedding(tokens=9, seed=16, text_dim=3584), {})}
     for name, (embedding, extra) in prompts.items():
         if (only is None or name in only) and not (paths[name] / "shard_0000.pkl").exists():
             write_conditioning_dataset(paths[name], embedding, extra=extra)
