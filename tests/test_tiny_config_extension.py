@@ -1,6 +1,6 @@
-"""The test server's extension that lets a tiny FLUX.2 file state its heads: needed (the stock
-loader refuses the file), effective (the model gets the stated config) and inert for files
-without that metadata."""
+"""The test server's extension that lets tiny files state their config (FLUX.2's heads, small text
+encoders): needed (the stock loaders refuse the files), effective (the models get the stated
+config and run) and inert for files without that metadata."""
 import importlib.util
 
 import pytest
@@ -20,13 +20,14 @@ def tiny_flux2(tmp_path):
 @pytest.fixture
 def extension():
     import comfy.model_detection
+    import comfy.sd
 
-    stock = comfy.model_detection.detect_unet_config
+    stock = comfy.model_detection.detect_unet_config, comfy.sd.load_clip
     spec = importlib.util.spec_from_file_location("tiny_config_from_metadata", EXTENSION)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     yield module
-    comfy.model_detection.detect_unet_config = stock
+    comfy.model_detection.detect_unet_config, comfy.sd.load_clip = stock
 
 
 def test_stock_comfyui_refuses_the_tiny_flux2(tiny_flux2):
@@ -55,3 +56,38 @@ def test_extension_is_inert_without_metadata(tiny_flux2, extension):
     assert metadata and "config" in metadata
     assert extension.detect_unet_config(sd, "") == extension._stock_detect_unet_config(sd, "")
     assert comfy.model_detection.detect_unet_config(sd, "", metadata=metadata)["num_heads"] == 4
+
+
+@pytest.fixture
+def tiny_text_encoders(tmp_path):
+    from tiny_models import write_tiny_wan_files
+
+    return write_tiny_wan_files(tmp_path, only=("umt5_xxl", "t5_xxl", "clip_l"))
+
+
+def _clip_type(name):
+    import comfy.sd
+
+    return getattr(comfy.sd.CLIPType, name)
+
+
+def test_stock_comfyui_refuses_the_tiny_umt5(tiny_text_encoders):
+    import comfy.sd
+
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        comfy.sd.load_clip([str(tiny_text_encoders["umt5_xxl"])], clip_type=_clip_type("WAN"))
+
+
+@pytest.mark.parametrize("files,clip_type,model,width,pooled", [
+    (("umt5_xxl",), "WAN", "WanTEModel", 4096, False),
+    (("clip_l", "t5_xxl"), "FLUX", "FluxClipModel_", 64, True),
+])
+def test_extension_builds_the_stated_text_encoder(tiny_text_encoders, extension, files, clip_type, model, width, pooled):
+    import comfy.sd
+
+    clip = comfy.sd.load_clip([str(tiny_text_encoders[f]) for f in files], clip_type=_clip_type(clip_type))
+    assert type(clip.cond_stage_model).__name__ == model
+    ((cond, extra),) = clip.encode_from_tokens_scheduled(clip.tokenize("a red fox running through fresh snow"))
+    assert cond.shape[-1] == width and cond.abs().max().item() > 0 and cond.isfinite().all()
+    assert (extra["pooled_output"] is not None) == pooled
+    assert comfy.sd.load_clip is extension.load_clip and comfy.sd.detect_te_model is extension._stock_detect_te_model

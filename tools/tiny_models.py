@@ -8,13 +8,19 @@ Used by the demo and the tests (nothing is downloaded). Needs ComfyUI importable
 - LoRA files for that transformer (LoraLoaderModelOnly)
 - a prompt embedding stored as a one-sample dataset that the stock
   LoadTrainingDataset node reads: ComfyUI's Wan text encoder (UMT5-XXL) has a
-  fixed 5.7B-parameter config, far too big to generate, so the tiny workflow
-  takes its conditioning from a file instead
+  fixed 5.7B-parameter config, far too big to generate, so the demo's tiny
+  workflow takes its conditioning from a file instead
+- for the example-workflow test: Flux.1 and Qwen-Image at the widths their
+  detection fixes, the Flux.1 / FLUX.2 autoencoders, and files whose family
+  ComfyUI only builds at full size (FLUX.2 here, the text encoders in
+  tiny_text_encoders.py), which state their small config in their metadata
+  for the test server's extension (tests/comfy_extensions)
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,7 +160,8 @@ def _random_state_dict(module_factory, seed: int, dtype=torch.float16) -> dict[s
             sd[key] = torch.zeros(meta.shape, dtype=meta.dtype)
             continue
         if meta.ndim <= 1:
-            ones = key.endswith(("scale", "gamma", "norm.weight", "running_var")) or ".norm" in key
+            ones = (key.endswith(("scale", "gamma", "norm.weight", "running_var")) or ".norm" in key
+                    or re.search(r"norm\d\.weight$", key) is not None)  # CLIP's layer_norm1/2
             value = (1.0 if ones else 0.0) + 0.02 * torch.randn(meta.shape, generator=gen)
         else:
             value = torch.randn(meta.shape, generator=gen) * (0.5 / meta[0].numel() ** 0.5)
@@ -164,25 +171,31 @@ def _random_state_dict(module_factory, seed: int, dtype=torch.float16) -> dict[s
 
 def flux1_state_dict(seed: int = 11) -> dict[str, torch.Tensor]:
     """The smallest Flux.1 UNETLoader accepts: its detection fixes 24 heads of 128 (width 3072);
-    one double and one single block (about 0.55B parameters, stored in fp16)."""
+    one double and one single block (about 0.5B parameters, stored in fp16). Text and pooled
+    widths (read from the file) are the tiny T5-XXL's and CLIP-L's."""
     import comfy.ldm.flux.model
     import comfy.ops
+    from tiny_text_encoders import TEXT_DIM
 
     return _random_state_dict(lambda: comfy.ldm.flux.model.Flux(
-        image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096, hidden_size=3072,
+        image_model="flux", in_channels=16, out_channels=16, vec_in_dim=TEXT_DIM, context_in_dim=TEXT_DIM, hidden_size=3072,
         mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
         qkv_bias=True, guidance_embed=True, dtype=torch.float32, operations=comfy.ops.disable_weight_init), seed)
 
 
+QWEN_IMAGE_CONFIG = {"joint_attention_dim": 64}  # the tiny Qwen2.5-VL's width; detection fixes 3584
+
+
 def qwen_image_state_dict(seed: int = 12) -> dict[str, torch.Tensor]:
-    """The smallest Qwen-Image UNETLoader accepts (detection fixes 24 heads of 128): one block."""
+    """The smallest Qwen-Image UNETLoader accepts (detection fixes 24 heads of 128): one block; its
+    text width is stated in the file's metadata like FLUX.2's heads (``FILE_METADATA``)."""
     import comfy.ldm.qwen_image.model
     import comfy.ops
 
     return _random_state_dict(lambda: comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
         patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=128, num_attention_heads=24,
-        joint_attention_dim=3584, axes_dims_rope=(16, 56, 56), dtype=torch.float32,
-        operations=comfy.ops.disable_weight_init), seed)
+        axes_dims_rope=(16, 56, 56), dtype=torch.float32, operations=comfy.ops.disable_weight_init,
+        **QWEN_IMAGE_CONFIG), seed)
 
 
 def flux_vae_state_dict(seed: int = 13) -> dict[str, torch.Tensor]:
@@ -245,8 +258,10 @@ TINY_FILES = {
     "flux1": "tiny_flux1.safetensors",
     "qwen_image": "tiny_qwen_image.safetensors",
     "flux_vae": "tiny_flux_ae.safetensors",
-    "flux_prompt_dataset": "tiny_flux_prompt",
-    "qwen_prompt_dataset": "tiny_qwen_prompt",
+    "umt5_xxl": "tiny_umt5_xxl.safetensors",
+    "t5_xxl": "tiny_t5_xxl.safetensors",
+    "clip_l": "tiny_clip_l.safetensors",
+    "qwen25_vl_7b": "tiny_qwen25_vl_7b.safetensors",
     "flux2": "tiny_flux2.safetensors",
     "flux2_vae": "tiny_flux2_vae.safetensors",
     "hunyuan_prompt_dataset": "tiny_hunyuan_prompt",
@@ -254,16 +269,19 @@ TINY_FILES = {
 
 
 DEMO_FILES = ("unet", "vae", "lora_a", "lora_b", "prompt_dataset")
-# The large ones (Flux.1, Qwen-Image at the widths their detection fixes) only for the example-workflow test.
-LARGE_FILES = ("flux1", "qwen_image", "flux_vae", "flux_prompt_dataset", "qwen_prompt_dataset",
-               "flux2", "flux2_vae")
-FILE_METADATA = {"flux2": {"config": json.dumps({"transformer": FLUX2_CONFIG})}}
+# Only for the example-workflow test: the large ones (Flux.1, Qwen-Image at the widths their
+# detection fixes) and the files that need the test server's extension (FLUX.2, text encoders).
+LARGE_FILES = ("flux1", "qwen_image", "flux_vae", "flux2", "flux2_vae", "umt5_xxl", "t5_xxl", "clip_l", "qwen25_vl_7b")
+FILE_METADATA = {"flux2": {"config": json.dumps({"transformer": FLUX2_CONFIG})},
+                 "qwen_image": {"config": json.dumps({"transformer": QWEN_IMAGE_CONFIG})}}
 
 
 def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -> dict[str, Path]:
     """Write the tiny model files under a ComfyUI base directory (all, or the names in ``only``,
     e.g. ``DEMO_FILES``). Idempotent."""
     from safetensors.torch import save_file
+
+    import tiny_text_encoders
 
     base_dir = Path(base_dir)
     paths = {
@@ -278,11 +296,11 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         "flux1": base_dir / "models" / "diffusion_models" / TINY_FILES["flux1"],
         "qwen_image": base_dir / "models" / "diffusion_models" / TINY_FILES["qwen_image"],
         "flux_vae": base_dir / "models" / "vae" / TINY_FILES["flux_vae"],
-        "flux_prompt_dataset": base_dir / "output" / TINY_FILES["flux_prompt_dataset"],
-        "qwen_prompt_dataset": base_dir / "output" / TINY_FILES["qwen_prompt_dataset"],
         "hunyuan_prompt_dataset": base_dir / "output" / TINY_FILES["hunyuan_prompt_dataset"],
         "flux2": base_dir / "models" / "diffusion_models" / TINY_FILES["flux2"],
         "flux2_vae": base_dir / "models" / "vae" / TINY_FILES["flux2_vae"],
+        **{name: base_dir / "models" / "text_encoders" / TINY_FILES[name]
+           for name in ("umt5_xxl", "t5_xxl", "clip_l", "qwen25_vl_7b")},
     }
     makers = {
         "unet": lambda: wan_state_dict(spec),
@@ -299,6 +317,11 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         "flux_vae": flux_vae_state_dict,
         "flux2": flux2_state_dict,
         "flux2_vae": flux2_vae_state_dict,
+        # (state dict, metadata stating the config): see tiny_text_encoders
+        "umt5_xxl": tiny_text_encoders.umt5_xxl,
+        "t5_xxl": tiny_text_encoders.t5_xxl,
+        "clip_l": tiny_text_encoders.clip_l,
+        "qwen25_vl_7b": tiny_text_encoders.qwen25_vl_7b,
     }
     for name, make in makers.items():
         if only is not None and name not in only:
@@ -307,17 +330,12 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".partial")
-            save_file(make(), str(tmp), metadata=FILE_METADATA.get(name))
+            made = make()
+            sd, metadata = made if isinstance(made, tuple) else (made, FILE_METADATA.get(name))
+            save_file(sd, str(tmp), metadata=metadata)
             os.replace(tmp, path)
     if (only is None or "prompt_dataset" in only) and not (paths["prompt_dataset"] / "shard_0000.pkl").exists():
         write_conditioning_dataset(paths["prompt_dataset"], prompt_embedding())
-    prompts = {"flux_prompt_dataset": (prompt_embedding(tokens=9, seed=14, text_dim=4096),
-                                       {"pooled_output": torch.randn(1, 768, generator=torch.Generator().manual_seed(15)),
-                                        "guidance": 3.5}),
-               "qwen_prompt_dataset": (prompt_embedding(tokens=9, seed=16, text_dim=3584), {})}
-    for name, (embedding, extra) in prompts.items():
-        if (only is None or name in only) and not (paths[name] / "shard_0000.pkl").exists():
-            write_conditioning_dataset(paths[name], embedding, extra=extra)
     if (only is None or "hunyuan_prompt_dataset" in only) and \
             not (paths["hunyuan_prompt_dataset"] / "shard_0000.pkl").exists():
         pooled = torch.randn(1, 768, generator=torch.Generator().manual_seed(8))
