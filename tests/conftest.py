@@ -45,7 +45,7 @@ def tiny_base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_server(tiny_base, comfyui_path):
     """One real ComfyUI server with the pack for the end-to-end tests of a session, plus the
-    test-only extension that lets a tiny FLUX.2 file state its own heads (see its docstring)."""
+    test-only extension that lets tiny files state their own config (FLUX.2, text encoders; see its docstring)."""
     from comfy_server import ComfyServer
 
     server = ComfyServer(comfyui_path, tiny_base, python=sys.executable,
