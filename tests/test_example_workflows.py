@@ -88,3 +88,13 @@ def test_example_workflow_runs_with_tiny_models(name, tiny_server, large_files):
     world = max(c["ulysses_size"] * c["ring_size"] * c["tp_size"] * c["cfg_size"] for c in configs)
     print(f"\n{name}: ran on {len(ranks)} ranks, steps per rank {[r['forwards'] for r in ranks]}")
     assert len(ranks) == world and all(r["forwards"] > 0 for r in ranks)
+
+
+def test_template_browser_lists_and_serves_every_example(tiny_server):
+    from comfy_server import PACK_NAME
+
+    listed = tiny_server.get("/workflow_templates")[PACK_NAME]
+    shipped = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+    assert sorted(listed) == shipped
+    for name in shipped:
+        assert tiny_server.get(f"/api/workflow_templates/{PACK_NAME}/{name}.json") == load(WORKFLOWS / f"{name}.json")
