@@ -14,7 +14,7 @@ import copy
 import pytest
 
 from conftest import REPO
-from workflows import find_nodes, load, ui_to_api
+from workflows import load, ui_to_api
 
 pytestmark = pytest.mark.comfy_server
 WORKFLOWS = REPO / "example_workflows"

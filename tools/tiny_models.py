@@ -128,24 +128,20 @@ def hunyuan_video_state_dict(seed: int = 6) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
+def comfy_json_config(module, name: str, overrides: dict | None = None) -> dict:
+    """ComfyUI's JSON model config ``name`` (next to ``module``), with ``overrides``."""
+    return {**json.loads((Path(module.__file__).parent / name).read_text()), **(overrides or {})}
+
+
 def t5_base_state_dict(seed: int = 10) -> dict[str, torch.Tensor]:
     """T5-base (Stable Audio's text encoder): the smallest text encoder ComfyUI's CLIPLoader
     detects (~110M parameters); its layers are ComfyUI's T5 class, like T5-XXL and UMT5-XXL."""
-    import json
-
     import comfy.ops
     import comfy.text_encoders.t5
 
-    config = json.loads((Path(comfy.text_encoders.t5.__file__).parent / "t5_config_base.json").read_text())
-    model = comfy.text_encoders.t5.T5(config, torch.float32, "cpu", comfy.ops.manual_cast)
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for k, v in sorted(model.state_dict().items()):
-        if k.endswith("layer_norm.weight"):
-            sd[k] = 1.0 + 0.05 * torch.randn(v.shape, generator=gen)
-        else:  # about 1/sqrt(fan-in): activations of a trained model's size
-            sd[k] = torch.randn(v.shape, generator=gen) * (0.5 / v.shape[-1] ** 0.5)
-    return sd
+    config = comfy_json_config(comfy.text_encoders.t5, "t5_config_base.json")
+    return _random_state_dict(lambda: comfy.text_encoders.t5.T5(config, torch.float32, None, comfy.ops.disable_weight_init),
+                              seed, dtype=torch.float32)
 
 
 def _random_state_dict(module_factory, seed: int, dtype=torch.float16) -> dict[str, torch.Tensor]:
@@ -183,19 +179,26 @@ def flux1_state_dict(seed: int = 11) -> dict[str, torch.Tensor]:
         qkv_bias=True, guidance_embed=True, dtype=torch.float32, operations=comfy.ops.disable_weight_init), seed)
 
 
+def stating_config(sd: dict, part: str, config: dict) -> tuple[dict, dict]:
+    """(state dict, safetensors metadata stating ``config`` under ``config`` -> ``part``): the form
+    ComfyUI reads from LTXV files and the test server's extension applies to any family
+    (tests/comfy_extensions)."""
+    return sd, {"config": json.dumps({part: config})}
+
+
 QWEN_IMAGE_CONFIG = {"joint_attention_dim": 64}  # the tiny Qwen2.5-VL's width; detection fixes 3584
 
 
-def qwen_image_state_dict(seed: int = 12) -> dict[str, torch.Tensor]:
+def qwen_image_state_dict(seed: int = 12) -> tuple[dict, dict]:
     """The smallest Qwen-Image UNETLoader accepts (detection fixes 24 heads of 128): one block; its
-    text width is stated in the file's metadata like FLUX.2's heads (``FILE_METADATA``)."""
+    text width (the tiny Qwen2.5-VL's) is stated in the file's metadata."""
     import comfy.ldm.qwen_image.model
     import comfy.ops
 
-    return _random_state_dict(lambda: comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
+    return stating_config(_random_state_dict(lambda: comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
         patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=128, num_attention_heads=24,
         axes_dims_rope=(16, 56, 56), dtype=torch.float32, operations=comfy.ops.disable_weight_init,
-        **QWEN_IMAGE_CONFIG), seed)
+        **QWEN_IMAGE_CONFIG), seed), "transformer", QWEN_IMAGE_CONFIG)
 
 
 def flux_vae_state_dict(seed: int = 13) -> dict[str, torch.Tensor]:
@@ -222,16 +225,17 @@ FLUX2_TEXT_DIM = 768
 FLUX2_CONFIG = {"num_heads": 4, "axes_dim": [16, 16, 16, 16]}
 
 
-def flux2_state_dict(seed: int = 17) -> dict[str, torch.Tensor]:
+def flux2_state_dict(seed: int = 17) -> tuple[dict, dict]:
     """FLUX.2 at width 256 (4 heads of 64: room for Ulysses 2 x TP 2), one double and one single block."""
     import comfy.ldm.flux.model
     import comfy.ops
 
-    return _random_state_dict(lambda: comfy.ldm.flux.model.Flux(
+    return stating_config(_random_state_dict(lambda: comfy.ldm.flux.model.Flux(
         image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=FLUX2_TEXT_DIM,
         hidden_size=256, mlp_ratio=3.0, depth=1, depth_single_blocks=1, theta=2000, patch_size=1, qkv_bias=False,
         guidance_embed=True, global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
-        ref_index_scale=10.0, dtype=torch.float32, operations=comfy.ops.disable_weight_init, **FLUX2_CONFIG), seed)
+        ref_index_scale=10.0, dtype=torch.float32, operations=comfy.ops.disable_weight_init, **FLUX2_CONFIG), seed),
+        "transformer", FLUX2_CONFIG)
 
 
 def flux2_vae_state_dict(seed: int = 18) -> dict[str, torch.Tensor]:
@@ -272,8 +276,6 @@ DEMO_FILES = ("unet", "vae", "lora_a", "lora_b", "prompt_dataset")
 # Only for the example-workflow test: the large ones (Flux.1, Qwen-Image at the widths their
 # detection fixes) and the files that need the test server's extension (FLUX.2, text encoders).
 LARGE_FILES = ("flux1", "qwen_image", "flux_vae", "flux2", "flux2_vae", "umt5_xxl", "t5_xxl", "clip_l", "qwen25_vl_7b")
-FILE_METADATA = {"flux2": {"config": json.dumps({"transformer": FLUX2_CONFIG})},
-                 "qwen_image": {"config": json.dumps({"transformer": QWEN_IMAGE_CONFIG})}}
 
 
 def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -> dict[str, Path]:
@@ -281,7 +283,7 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
     e.g. ``DEMO_FILES``). Idempotent."""
     from safetensors.torch import save_file
 
-    import tiny_text_encoders
+    import tiny_text_encoders  # imports this module: not at the top
 
     base_dir = Path(base_dir)
     paths = {
@@ -317,7 +319,6 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         "flux_vae": flux_vae_state_dict,
         "flux2": flux2_state_dict,
         "flux2_vae": flux2_vae_state_dict,
-        # (state dict, metadata stating the config): see tiny_text_encoders
         "umt5_xxl": tiny_text_encoders.umt5_xxl,
         "t5_xxl": tiny_text_encoders.t5_xxl,
         "clip_l": tiny_text_encoders.clip_l,
@@ -330,8 +331,8 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".partial")
-            made = make()
-            sd, metadata = made if isinstance(made, tuple) else (made, FILE_METADATA.get(name))
+            made = make()  # a state dict, or (state dict, metadata) from stating_config
+            sd, metadata = made if isinstance(made, tuple) else (made, None)
             save_file(sd, str(tmp), metadata=metadata)
             os.replace(tmp, path)
     if (only is None or "prompt_dataset" in only) and not (paths["prompt_dataset"] / "shard_0000.pkl").exists():

@@ -15,31 +15,19 @@ the file (or its metadata) and take 64.
 from __future__ import annotations
 
 import io
-import json
-from pathlib import Path
 
 import torch
 
+from tiny_models import _random_state_dict, comfy_json_config, stating_config
+
 TEXT_DIM = 64  # T5-XXL, CLIP-L and Qwen2.5-VL stand-ins (Flux.1's txt_in and vector_in, Qwen-Image's joint dim)
-UMT5_TEXT_DIM = 4096  # Wan's text_embedding input; ComfyUI's Wan detection does not read it
-
-
-def _comfy_config(name: str, overrides: dict) -> dict:
-    import comfy.sd1_clip
-    import comfy.text_encoders.t5
-
-    folder = Path(comfy.text_encoders.t5.__file__).parent if name != "sd1_clip_config.json" \
-        else Path(comfy.sd1_clip.__file__).parent
-    return {**json.loads((folder / name).read_text()), **overrides}
 
 
 def _file(module_factory, seed: int, text_encoder: dict, extra: dict | None = None):
-    """(state dict with seeded weights, metadata stating the encoder) for ``FILE_METADATA``."""
-    from tiny_models import _random_state_dict
-
+    """(state dict with seeded weights, metadata stating the encoder)."""
     sd = _random_state_dict(module_factory, seed, dtype=torch.float32)
     sd.update(extra or {})
-    return sd, {"config": json.dumps({"text_encoder": text_encoder})}
+    return stating_config(sd, "text_encoder", text_encoder)
 
 
 def _ops():
@@ -70,7 +58,7 @@ def umt5_xxl(seed: int = 21):
 
     spiece = sentencepiece_model()
     config = {"d_ff": 64, "d_kv": 16, "num_heads": 2, "num_layers": 2, "vocab_size": 320}
-    full = _comfy_config("umt5_config_xxl.json", config)
+    full = comfy_json_config(comfy.text_encoders.t5, "umt5_config_xxl.json", config)
     return _file(lambda: comfy.text_encoders.t5.T5(full, torch.float32, None, _ops()), seed,
                  {"te_model": "T5_XXL", "model_options": {"umt5xxl_model_config": config}},
                  extra={"spiece_model": torch.frombuffer(bytearray(spiece), dtype=torch.uint8)})
@@ -81,7 +69,7 @@ def t5_xxl(seed: int = 22):
     import comfy.text_encoders.t5
 
     config = {"d_model": TEXT_DIM, "d_ff": 128, "d_kv": 16, "num_heads": 4, "num_layers": 2}
-    full = _comfy_config("t5_config_xxl.json", config)
+    full = comfy_json_config(comfy.text_encoders.t5, "t5_config_xxl.json", config)
     return _file(lambda: comfy.text_encoders.t5.T5(full, torch.float32, None, _ops()), seed,
                  {"te_model": "T5_XXL", "model_options": {"t5xxl_model_config": config}})
 
@@ -89,10 +77,11 @@ def t5_xxl(seed: int = 22):
 def clip_l(seed: int = 23):
     """CLIP-L at width 64 (its bundled tokenizer's 49408 ids), 2 layers: Flux.1's pooled vector."""
     import comfy.clip_model
+    import comfy.sd1_clip
 
     config = {"hidden_size": TEXT_DIM, "intermediate_size": 128, "num_attention_heads": 2, "num_hidden_layers": 2,
               "projection_dim": TEXT_DIM}
-    full = _comfy_config("sd1_clip_config.json", config)
+    full = comfy_json_config(comfy.sd1_clip, "sd1_clip_config.json", config)
     return _file(lambda: comfy.clip_model.CLIPTextModel(full, torch.float32, None, _ops()), seed,
                  # ComfyUI's long-CLIP check rewrites clip_l_model_config from "model_config" for
                  # every CLIP-L file it loads, so the config goes there.
