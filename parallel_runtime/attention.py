@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 
 @dataclass(frozen=True)
 class JointLayout:
@@ -80,7 +82,7 @@ def from_bhsd(t: torch.Tensor, output_heads_first: bool) -> torch.Tensor:
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    comm.all_to_all_single(out, x, group=group)
     return out
 
 
@@ -127,7 +129,8 @@ def ring_attention(q, k, v, *, group, ring_size: int, ring_rank: int, key_index)
     """Exact attention of local queries over the key/value blocks of every ring rank.
 
     ``key_index(j)`` gives the real-token positions of ring rank j's block (None: all real).
-    Blocks travel one hop per step with batched send/recv, overlapping the next compute.
+    Blocks travel one hop per step with batched send/recv, overlapping the next compute
+    (staged through host buffers where the backend cannot send accelerator tensors: ``comm``).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     group_ranks = dist.get_process_group_ranks(group)
@@ -139,8 +142,7 @@ def ring_attention(q, k, v, *, group, ring_size: int, ring_rank: int, key_index)
         pending = None
         if step + 1 < ring_size:
             incoming = torch.empty_like(kv)
-            pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, send_to, group),
-                                              dist.P2POp(dist.irecv, incoming, recv_from, group)])
+            pending = comm.p2p([("send", kv, send_to), ("recv", incoming, recv_from)], group)
         owner = (ring_rank - step) % ring_size
         idx = key_index(owner)
         kb, vb = kv[0], kv[1]
@@ -154,8 +156,7 @@ def ring_attention(q, k, v, *, group, ring_size: int, ring_rank: int, key_index)
             out, lse = attention_with_lse(q, kb, vb, scale)
             acc, acc_lse = _merge(acc, acc_lse, out, lse)
         if pending is not None:
-            for req in pending:
-                req.wait()
+            pending.wait()
             kv = incoming
     return acc.to(q.dtype)
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import arguments
-from .sequence import _all_gather
+from . import arguments, comm
 
 # Per-sample entries of transformer_options (lists of one item per cond chunk, or one value per row).
 PER_CHUNK_OPTIONS = ("cond_or_uncond", "uuids")
@@ -84,5 +83,5 @@ def gather_output(out, split: BatchSplit, group):
     if not isinstance(out, torch.Tensor):
         raise RuntimeError(f"cfg parallel: the model returned a {type(out).__name__}, not a tensor")
     full = out.new_empty((split.size, *out.shape[1:]))
-    _all_gather(full, out.contiguous(), group=group)
+    comm.all_gather_into(full, out.contiguous(), group=group)
     return full

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from . import comm
 
 
 @dataclass(frozen=True)
@@ -58,17 +59,11 @@ def take_chunk(t: torch.Tensor, dim: int, shard: SeqShard) -> torch.Tensor:
     return pad_along(local, dim, shard.chunk).contiguous()
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group=None):
-    """all_gather_single where torch has it (2.14 renamed all_gather_into_tensor)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group)
-
-
 def gather_chunks(local: torch.Tensor, dim: int, shard: SeqShard, group) -> torch.Tensor:
     """All-gather padded chunks along ``dim`` and drop the padding: the full-length tensor."""
     if group is None or shard.parts == 1:
         return local.narrow(dim, 0, shard.total)
     moved = local.movedim(dim, 0).contiguous()
     out = moved.new_empty((shard.parts * moved.shape[0], *moved.shape[1:]))
-    _all_gather(out, moved, group=group)
+    comm.all_gather_into(out, moved, group=group)
     return out[: shard.total].movedim(0, dim)

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 import torch
-import torch.distributed as dist
 
-from .sequence import _all_gather
+from . import comm
 
 Segments = Union[int, Callable[[torch.nn.Module, torch.nn.Module], "list[int] | int"], None]
 
@@ -98,19 +97,6 @@ def _segment_sizes(spec, parent, module, total: int) -> list[int]:
     return sizes
 
 
-def _slice_segments(t: torch.Tensor, dim: int, sizes: list[int], rank: int, size: int, what: str) -> torch.Tensor:
-    _refuse_quantized(t, what)
-    pieces, offset = [], 0
-    for s in sizes:
-        if s % size:
-            raise TensorParallelError(f"{what}: a segment of {s} features does not divide by tp_size {size}")
-        part = s // size
-        pieces.append(t.narrow(dim, offset + rank * part, part))
-        offset += s
-    # A fresh tensor, never a view: a view would keep (and share with the workers) the full weight.
-    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
-
-
 def _refuse_quantized(t: torch.Tensor, what: str) -> None:
     if type(t).__name__ == "QuantizedTensor" or (isinstance(t, torch.nn.Parameter) and
                                                  type(t.data).__name__ == "QuantizedTensor"):
@@ -145,12 +131,55 @@ def layer_specs(root: torch.nn.Module, plan: TensorParallelPlan) -> list[tuple[s
     return found
 
 
-def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size: int) -> torch.nn.Module:
-    """A copy of ``root`` holding TP rank ``rank``'s slices of the planned layers; every
-    other tensor is shared with ``root``, not copied."""
-    from .plans.base import matching_modules
+@dataclass(frozen=True)
+class Cut:
+    """How one tensor of a planned layer is cut for each TP rank: metadata only, so rank 0 can
+    tell a worker the shapes of its shard before any data moves, and both sides cut alike."""
 
-    memo: dict[int, object] = {}
+    what: str                         # the layer, for messages
+    kind: str                         # "segments", "rows" (grouped-query K/V) or "bias_once"
+    dim: int = 0
+    sizes: tuple[int, ...] = ()       # "segments": the fused segments along ``dim``
+    kv: tuple[int, int, int] = (0, 0, 0)  # "rows": heads, KV heads, head dim
+
+    def shape(self, full: tuple[int, ...], size: int) -> tuple[int, ...]:
+        out = list(full)
+        if self.kind == "segments":
+            out[self.dim] = full[self.dim] // size
+        elif self.kind == "rows":
+            heads, kv, d = self.kv
+            out[0] = (kv // size if size <= kv else 1) * d
+        return tuple(out)
+
+    def apply(self, t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """This rank's part of ``t``: always a fresh tensor, never a view (a view would keep,
+        and send, the full weight)."""
+        _refuse_quantized(t, self.what)
+        if self.kind == "bias_once":  # added once, after the all-reduce sums every rank's partial product
+            return t.detach().clone() if rank == 0 else torch.zeros_like(t)
+        if self.kind == "rows":
+            heads, kv, d = self.kv
+            return t[_kv_slice(heads, kv, d, rank, size, self.what)].clone()
+        pieces, offset = [], 0
+        for s in self.sizes:
+            part = s // size
+            pieces.append(t.narrow(self.dim, offset + rank * part, part))
+            offset += s
+        return torch.cat(pieces, dim=self.dim) if len(pieces) > 1 else \
+            pieces[0].clone(memory_format=torch.contiguous_format)
+
+
+def _segment_cut(what: str, dim: int, sizes: list[int], size: int) -> Cut:
+    for s in sizes:
+        if s % size:
+            raise TensorParallelError(f"{what}: a segment of {s} features does not divide by tp_size {size}")
+    return Cut(what, "segments", dim, tuple(sizes))
+
+
+def cut_plan(root: torch.nn.Module, plan: TensorParallelPlan, size: int) -> dict[int, Cut]:
+    """id(tensor) -> how it is cut, for every tensor of the planned layers of ``root``;
+    every other tensor is replicated."""
+    cuts: dict[int, Cut] = {}
     for name, mod, spec in layer_specs(root, plan):
         parent = _parent(root, name)
         weight = getattr(mod, "weight", None)
@@ -158,30 +187,67 @@ def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size
         if weight is None:
             raise TensorParallelError(f"tensor-parallel plan: {name} has no weight")
         if isinstance(spec, ColwiseKV):
-            rows = _kv_rows(parent, spec, rank, size, name)
-            memo[id(weight)] = _param(weight[rows].clone(), weight)
-            if bias is not None:
-                memo[id(bias)] = _param(bias[rows].clone(), bias)
+            heads, kv, d = (int(getattr(parent, a)) for a in (spec.heads, spec.kv_heads, spec.head_dim))
+            _kv_slice(heads, kv, d, 0, size, name)  # refuses sizes that do not fit
+            cut = Cut(name, "rows", kv=(heads, kv, d))
+            weight_cut, bias_cut = cut, cut
         elif isinstance(spec, (Colwise, Norm)):
             dim = spec.dim if isinstance(spec, Colwise) else 0
             sizes = _segment_sizes(spec, parent, mod, weight.shape[dim]) if isinstance(spec, Colwise) else \
                 [weight.shape[0]]
-            memo[id(weight)] = _param(_slice_segments(weight, dim, sizes, rank, size, name), weight)
-            if bias is not None:
-                memo[id(bias)] = _param(_slice_segments(bias, 0, sizes, rank, size, name), bias)
+            weight_cut = _segment_cut(name, dim, sizes, size)
+            bias_cut = _segment_cut(name, 0, sizes, size)
         else:  # Rowwise
-            dim = 1
-            sizes = _segment_sizes(spec, parent, mod, weight.shape[dim])
-            memo[id(weight)] = _param(_slice_segments(weight, dim, sizes, rank, size, name), weight)
-            if bias is not None:
-                # Added once, after the all-reduce sums the partial products of every rank.
-                memo[id(bias)] = _param(bias.detach().clone() if rank == 0 else torch.zeros_like(bias), bias)
-    for t in list(root.parameters()) + list(root.buffers()):
-        memo.setdefault(id(t), t)  # replicated: the same tensor, no copy
+            weight_cut = _segment_cut(name, 1, _segment_sizes(spec, parent, mod, weight.shape[1]), size)
+            bias_cut = Cut(name, "bias_once")
+        cuts[id(weight)] = weight_cut
+        if bias is not None:
+            cuts[id(bias)] = bias_cut
+    return cuts
+
+
+def _identity(t):
+    return t
+
+
+def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size: int,
+                weight_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> torch.nn.Module:
+    """A copy of ``root`` holding TP rank ``rank``'s slices of the planned layers.
+
+    ``weight_of(name, tensor)`` gives each tensor as the forward would use it (ComfyUI's LoRA
+    patches applied; see ``comfy_weights``); by default the tensor itself. A replicated tensor
+    that it returns unchanged is shared with ``root``, not copied.
+    """
+    cuts = cut_plan(root, plan, size)
+    memo: dict[int, object] = {}
+    for name, t in named_tensors(root):
+        w = t if weight_of is None else weight_of(name, t)
+        cut = cuts.get(id(t))
+        if cut is not None:
+            memo[id(t)] = _param(cut.apply(w, rank, size), t)
+        else:
+            memo[id(t)] = t if w is t else _param(w, t)
     from .transport import without_forward_overrides
 
     with without_forward_overrides(root):
         shard = copy.deepcopy(root, memo)
+    return finish_shard(shard, plan, rank, size)
+
+
+def named_tensors(root: torch.nn.Module):
+    """Every parameter and buffer of ``root`` once, with its name."""
+    seen = set()
+    for name, t in (*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
+def finish_shard(shard: torch.nn.Module, plan: TensorParallelPlan, rank: int, size: int) -> torch.nn.Module:
+    """What a shard needs besides its sliced tensors: divided head counts and widths, and the
+    norm shapes of the layers TP splits."""
+    from .plans.base import matching_modules
+
     for name, mod, spec in layer_specs(shard, plan):
         if isinstance(spec, Norm) and hasattr(mod, "normalized_shape"):
             # The module's own (local) normalisation runs first and is replaced by the hook.
@@ -201,8 +267,21 @@ def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size
     return shard
 
 
-def _kv_rows(attention, spec: ColwiseKV, rank: int, size: int, what: str) -> slice:
-    heads, kv, d = (int(getattr(attention, a)) for a in (spec.heads, spec.kv_heads, spec.head_dim))
+def shard_nbytes(root: torch.nn.Module, plan: TensorParallelPlan | None, size: int) -> int:
+    """Bytes of weights one TP rank holds (every rank the same), from shapes alone."""
+    cuts = cut_plan(root, plan, size) if plan is not None and size > 1 else {}
+    total = 0
+    for _, t in named_tensors(root):
+        cut = cuts.get(id(t))
+        shape = cut.shape(tuple(t.shape), size) if cut is not None else tuple(t.shape)
+        n = 1
+        for s in shape:
+            n *= s
+        total += n * t.element_size()
+    return total
+
+
+def _kv_slice(heads: int, kv: int, d: int, rank: int, size: int, what: str) -> slice:
     if heads % size:
         raise TensorParallelError(f"{what}: {heads} attention heads do not divide by tp_size {size}")
     if size <= kv:
@@ -235,7 +314,7 @@ def _check_splits(root: torch.nn.Module, plan: "TensorParallelPlan", size: int) 
     for name, mod, spec in layer_specs(root, plan):
         parent = _parent(root, name)
         if isinstance(spec, ColwiseKV):
-            _kv_rows(parent, spec, 0, size, name)
+            _kv_slice(*(int(getattr(parent, a)) for a in (spec.heads, spec.kv_heads, spec.head_dim)), 0, size, name)
         elif isinstance(spec, Colwise):
             for s in _segment_sizes(spec, parent, mod, mod.weight.shape[spec.dim]):
                 if s % size:
@@ -269,7 +348,7 @@ def _resolve(root, path: str):
 
 def _all_reduce_hook(group):
     def hook(module, args, output):
-        dist.all_reduce(output, group=group)
+        comm.all_reduce(output, group=group)
         return output
     return hook
 
@@ -278,7 +357,7 @@ def _gather_hook(group, size: int):
     def hook(module, args, output):
         local = output.movedim(-1, 0).contiguous()
         full = local.new_empty((local.shape[0] * size, *local.shape[1:]))
-        _all_gather(full, local, group=group)
+        comm.all_gather_into(full, local, group=group)
         return full.movedim(0, -1)
     return hook
 
@@ -287,7 +366,7 @@ def _norm_hook(group, size: int):
     def hook(module, args, output):
         x = args[0]
         local = x.float().pow(2).sum(dim=-1, keepdim=True)
-        dist.all_reduce(local, group=group)
+        comm.all_reduce(local, group=group)
         mean = local / (x.shape[-1] * size)
         eps = getattr(module, "eps", None) or 1e-6
         weight = module.weight.to(device=x.device, dtype=torch.float32) if module.weight is not None else 1.0

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import comm
 from .plans.base import ModelPlan
 from .plans.vae import PLANS, BandPlan, check_vae, find_vae_plan, matches_any, supported_vaes_text
 
@@ -200,20 +201,17 @@ class _BandRun:
         recv_below = rows.below if exchange and not self.last else 0
         ops, above, below = [], None, None
         if send_up:
-            ops.append(dist.P2POp(dist.isend, x.narrow(ROWS, 0, send_up).contiguous(), self._peer(self.rank - 1),
-                                  self.group))
+            ops.append(("send", x.narrow(ROWS, 0, send_up).contiguous(), self._peer(self.rank - 1)))
         if send_down:
-            ops.append(dist.P2POp(dist.isend, x.narrow(ROWS, have - send_down, send_down).contiguous(),
-                                  self._peer(self.rank + 1), self.group))
+            ops.append(("send", x.narrow(ROWS, have - send_down, send_down).contiguous(), self._peer(self.rank + 1)))
         if recv_above:
             above = x.new_empty(_with_rows(x.shape, recv_above))
-            ops.append(dist.P2POp(dist.irecv, above, self._peer(self.rank - 1), self.group))
+            ops.append(("recv", above, self._peer(self.rank - 1)))
         if recv_below:
             below = x.new_empty(_with_rows(x.shape, recv_below))
-            ops.append(dist.P2POp(dist.irecv, below, self._peer(self.rank + 1), self.group))
+            ops.append(("recv", below, self._peer(self.rank + 1)))
         if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            comm.p2p(ops, self.group).wait()  # staged through host buffers where gloo meets CUDA
             self.exchanges += 1
         # Image edges (and, with the halo exchange off, every band edge) get zero rows.
         if above is None:
@@ -240,7 +238,7 @@ class _BandRun:
     def row_counts(self, rows: int, device) -> list[int]:
         counts = torch.zeros(self.parts, dtype=torch.int64, device=device)
         mine = torch.tensor([rows], dtype=torch.int64, device=device)
-        _all_gather_into(counts, mine, self.group)
+        comm.all_gather_into(counts, mine, self.group)
         return counts.tolist()
 
     def all_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +247,7 @@ class _BandRun:
         most = max(counts)
         moved = _pad_rows0(x.movedim(ROWS, 0), most).contiguous()
         out = moved.new_empty((self.parts * most, *moved.shape[1:]))
-        _all_gather_into(out, moved, self.group)
+        comm.all_gather_into(out, moved, self.group)
         if all(c == most for c in counts):
             return out.movedim(0, ROWS)
         return torch.cat([out[r * most: r * most + c] for r, c in enumerate(counts)]).movedim(0, ROWS)
@@ -263,10 +261,10 @@ class _BandRun:
         most = max(counts)
         moved = _pad_rows0(out.movedim(ROWS, 0), most).contiguous()
         if not self.first:
-            dist.gather(moved, None, dst=self._peer(0), group=self.group)
+            comm.gather(moved, None, dst=self._peer(0), group=self.group)
             return None
         full = moved.new_empty((self.parts * most, *moved.shape[1:]))
-        dist.gather(moved, list(full.split(most)), dst=self._peer(0), group=self.group)
+        comm.gather(moved, list(full.split(most)), dst=self._peer(0), group=self.group)
         if any(c != most for c in counts):
             full = torch.cat([full[r * most: r * most + c] for r, c in enumerate(counts)])
         return full.movedim(0, ROWS)
@@ -285,7 +283,7 @@ class _BandRun:
             n = work.shape[-1]
             stats = torch.stack([torch.full_like(mean, n), mean, var * n], dim=-1).double()
             every = stats.new_empty((self.parts * stats.shape[0], *stats.shape[1:]))
-            _all_gather_into(every, stats, self.group)
+            comm.all_gather_into(every, stats, self.group)
             counts, means, m2 = every.view(self.parts, *stats.shape).unbind(-1)
             total = counts.sum(0)
             mean64 = (counts * means).sum(0) / total
@@ -322,11 +320,6 @@ def _pad_rows0(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
-
-
-def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
 
 
 def _norm_weights(norm: torch.nn.Module, x: torch.Tensor):

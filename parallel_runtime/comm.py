@@ -1,0 +1,210 @@
+"""Collectives that work on every backend and device pair the pack runs on.
+
+Every collective of the runtime goes through here. NCCL runs them all on CUDA tensors and gloo
+on CPU tensors. gloo on CUDA tensors is the odd one: send/recv abort the process
+(``gloo::IoException ... writev: Bad address``, measured on an H100) and its other CUDA
+variants are host copies inside gloo anyway. So when a group's backend is gloo and a tensor
+lives on an accelerator, the data is *staged*: copied into a (pinned) host buffer, exchanged
+on the CPU, copied back. That is the path of several ranks sharing one GPU, of native Windows
+(no NCCL there) and of any ``backend: gloo`` on CUDA: slower than NCCL, but it runs.
+
+``PARALLEL_FORCE_STAGING=1`` (or ``forced_staging()``) stages CPU tensors too, so the tests run
+the staged path on the CPU and compare it with the direct one.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+FORCE_ENV = "PARALLEL_FORCE_STAGING"
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def forced_staging(on: bool = True):
+    """Stage every collective of this thread through host buffers (tests)."""
+    before = getattr(_forced, "on", None)
+    _forced.on = on
+    try:
+        yield
+    finally:
+        _forced.on = before
+
+
+def staging_forced() -> bool:
+    local = getattr(_forced, "on", None)
+    if local is not None:
+        return local
+    return os.environ.get(FORCE_ENV, "") not in ("", "0")
+
+
+def backend_of(group) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def staged(group, tensor: torch.Tensor) -> bool:
+    """Whether a collective of ``group`` on ``tensor`` must go through host buffers."""
+    if staging_forced():
+        return True
+    return tensor.device.type != "cpu" and backend_of(group) == "gloo"
+
+
+# ---------------------------------------------------------------- host buffers
+class _HostBuffers:
+    """Reusable host buffers, pinned when an accelerator is there (pinning costs milliseconds
+    per allocation; the same sizes recur every layer)."""
+
+    KEEP_PER_SIZE = 4
+
+    def __init__(self):
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        with self._lock:
+            pool = self._free.get(nbytes)
+            raw = pool.pop() if pool else None
+        if raw is None:
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=like.device.type == "cuda")
+        return raw.view(like.dtype).view(like.shape)
+
+    def release(self, buf: torch.Tensor) -> None:
+        raw = buf.reshape(-1).view(torch.uint8)
+        with self._lock:
+            pool = self._free.setdefault(raw.numel(), [])
+            if len(pool) < self.KEEP_PER_SIZE:
+                pool.append(raw)
+
+
+HOST = _HostBuffers()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = HOST.acquire(t)
+    host.copy_(t)  # blocking: gloo reads the buffer right away
+    return host
+
+
+def _from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
+    dst.copy_(host)  # blocking: the buffer goes back to the pool next
+    HOST.release(host)
+
+
+def _empty_host(like: torch.Tensor) -> torch.Tensor:
+    return HOST.acquire(like)
+
+
+# ---------------------------------------------------------------- collectives
+def broadcast(t: torch.Tensor, src: int, group=None) -> None:
+    if not staged(group, t):
+        dist.broadcast(t, src=src, group=group)
+        return
+    host = _to_host(t) if dist.get_rank() == src else _empty_host(t)
+    dist.broadcast(host, src=src, group=group)
+    _from_host(t, host)
+
+
+def all_reduce(t: torch.Tensor, group=None) -> None:
+    if not staged(group, t):
+        dist.all_reduce(t, group=group)
+        return
+    host = _to_host(t)
+    dist.all_reduce(host, group=group)
+    _from_host(t, host)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    if not staged(group, inp):
+        dist.all_to_all_single(out, inp, group=group)
+        return
+    host_in, host_out = _to_host(inp), _empty_host(out)
+    dist.all_to_all_single(host_out, host_in, group=group)
+    HOST.release(host_in)
+    _from_host(out, host_out)
+
+
+def _all_gather_native(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.14
+    fn(out, inp, group=group)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """``out`` (dim 0 = group size x ``inp``'s) receives every rank's ``inp`` in rank order."""
+    if not staged(group, inp):
+        _all_gather_native(out, inp, group)
+        return
+    host_in, host_out = _to_host(inp), _empty_host(out)
+    _all_gather_native(host_out, host_in, group)
+    HOST.release(host_in)
+    _from_host(out, host_out)
+
+
+def gather(t: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, group=None) -> None:
+    """``dst`` (a global rank) receives every rank's ``t`` into ``gather_list``."""
+    if not staged(group, t):
+        dist.gather(t, gather_list, dst=dst, group=group)
+        return
+    host = _to_host(t)
+    host_list = [_empty_host(g) for g in gather_list] if gather_list is not None else None
+    dist.gather(host, host_list, dst=dst, group=group)
+    HOST.release(host)
+    for g, h in zip(gather_list or (), host_list or ()):
+        _from_host(g, h)
+
+
+def scatter(t: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, group=None) -> None:
+    """Every rank receives its entry of ``src``'s ``scatter_list`` into ``t``."""
+    if not staged(group, t):
+        dist.scatter(t, scatter_list, src=src, group=group)
+        return
+    host_list = [_to_host(s) for s in scatter_list] if scatter_list is not None else None
+    host = _empty_host(t)
+    dist.scatter(host, host_list, src=src, group=group)
+    for h in host_list or ():
+        HOST.release(h)
+    _from_host(t, host)
+
+
+class Pending:
+    """Point-to-point transfers in flight; ``wait()`` completes them (and copies staged
+    receives into their destinations)."""
+
+    def __init__(self, requests, copies=(), buffers=()):
+        self._requests = requests
+        self._copies = copies      # (destination, host buffer) of staged receives
+        self._buffers = buffers    # host buffers of staged sends
+
+    def wait(self) -> None:
+        for req in self._requests:
+            req.wait()
+        for dst, host in self._copies:
+            _from_host(dst, host)
+        for host in self._buffers:
+            HOST.release(host)
+        self._requests, self._copies, self._buffers = [], (), ()
+
+
+def p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> Pending:
+    """Post ``("send" | "recv", tensor, global peer rank)`` transfers together (one batch, so
+    a ring or a halo exchange cannot deadlock on ordering) and return them in flight."""
+    if not ops:
+        return Pending([])
+    if not staged(group, ops[0][1]):
+        batch = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops]
+        return Pending(dist.batch_isend_irecv(batch))
+    batch, copies, buffers = [], [], []
+    for kind, t, peer in ops:
+        if kind == "send":
+            host = _to_host(t)
+            buffers.append(host)
+            batch.append(dist.P2POp(dist.isend, host, peer, group))
+        else:
+            host = _empty_host(t)
+            copies.append((t, host))
+            batch.append(dist.P2POp(dist.irecv, host, peer, group))
+    return Pending(dist.batch_isend_irecv(batch), copies, buffers)
