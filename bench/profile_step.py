@@ -60,8 +60,7 @@ def main() -> int:
     try:
         world = runtime.world_for(config)
         with torch.inference_mode():
-            sharded = profile(lambda: world.forward(model, plan, method, args, {**kwargs, **options},
-                                                    epoch=1))
+            sharded = profile(lambda: world.forward(model, plan, method, args, {**kwargs, **options}))
     finally:
         runtime.shutdown("profile done")
 

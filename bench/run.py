@@ -152,7 +152,7 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
     runtime = Runtime()
     try:
         world = runtime.world_for(config)
-        forward = lambda: world.forward(model, plan, method, args, {**kwargs, **options}, epoch=1)  # noqa: E731
+        forward = lambda: world.forward(model, plan, method, args, {**kwargs, **options})  # noqa: E731
         with torch.inference_mode():
             out = forward()  # warm-up: sends the weights
             pids = [r["pid"] for r in world.status()["ranks"]]

@@ -2,17 +2,20 @@
 
 The large encoder of the CLIP (T5-XXL, UMT5-XXL, Mistral 3, Qwen2.5-VL, Qwen3, Gemma)
 is tensor-parallel over all ranks of the world; small encoders next to it (CLIP-L,
-CLIP-G) stay on rank 0. The conditioning comes back to rank 0 for the stock
-CLIPTextEncode and the model-specific encode nodes.
+CLIP-G) stay on rank 0. Its full weights stay where ComfyUI offloads them: each rank
+receives only its slice, cut one weight at a time. The conditioning comes back to
+rank 0 for the stock CLIPTextEncode and the model-specific encode nodes.
 """
 from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..parallel_runtime.comfy_patcher import Sharding, sharded_patcher
 from ..parallel_runtime.comfy_wrappers import ShardedEncoderForward
 from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import find_encoder_plan, supported_encoders_text
-from ..parallel_runtime.tensor_parallel import encoder_valid_sizes
+from ..parallel_runtime.runtime import RUNTIME
+from ..parallel_runtime.tensor_parallel import encoder_valid_sizes, shard_nbytes
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Text Encoder"
@@ -36,6 +39,16 @@ def sharded_encoders(cond_stage_model, config: ParallelConfig):
     return found
 
 
+def encoder_sharding(clip, found, config: ParallelConfig) -> Sharding:
+    import comfy.model_management
+
+    size = comfy.model_management.module_size
+    return Sharding(paths=tuple(name for name, _, _ in found), keep_off_device=True,
+                    model_bytes=size(clip.cond_stage_model), sharded_bytes=sum(size(m) for _, m, _ in found),
+                    rank0_bytes=sum(shard_nbytes(m, plan.tensor_parallel, config.world_size) for _, m, plan in found),
+                    release=RUNTIME.release)
+
+
 class ShardTextEncoderNode(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -57,6 +70,7 @@ class ShardTextEncoderNode(io.ComfyNode):
         found = sharded_encoders(clip.cond_stage_model, parallel_config)
         clip = clip.clone()
         if parallel_config.world_size > 1:
+            clip.patcher = sharded_patcher(clip.patcher, encoder_sharding(clip, found, parallel_config))
             for name, module, plan in found:
                 clip.patcher.add_object_patch(f"{name}.forward",
                                               ShardedEncoderForward(parallel_config, plan.family, module))

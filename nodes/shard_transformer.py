@@ -1,18 +1,20 @@
 """Shard Transformer: MODEL + PARALLEL_CONFIG -> MODEL that runs on every rank.
 
 Nothing starts here: the node checks that the model and the config fit together
-and puts two wrappers on a clone of the ModelPatcher. The workers start when the
-first sampler runs. LoRA and other weight patches applied before or after this
-node reach every rank: the weights are shared after ComfyUI has patched them.
+and puts two wrappers on a clone of the ModelPatcher (a sharded patcher: see
+``comfy_patcher``). The workers start when the first sampler runs. LoRA and other
+weight patches applied before or after this node reach every rank, merged.
 """
 from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..parallel_runtime.comfy_patcher import Sharding, sharded_patcher
 from ..parallel_runtime.comfy_wrappers import DIFFUSION_MODEL, OUTER_SAMPLE, WRAPPER_KEY, ShardedForward, ShardedRun
 from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import find_plan, supported_models_text
-from ..parallel_runtime.tensor_parallel import valid_sizes
+from ..parallel_runtime.runtime import RUNTIME
+from ..parallel_runtime.tensor_parallel import shard_nbytes, valid_sizes
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Transformer"
@@ -48,6 +50,17 @@ def check_model(diffusion_model, config: ParallelConfig):
     return plan
 
 
+def transformer_sharding(model, diffusion_model, plan, config: ParallelConfig) -> Sharding:
+    """With tensor parallelism the full weights stay off the device and rank 0 holds its shard."""
+    import comfy.model_management
+
+    tp = config.tp_size if plan.tensor_parallel is not None else 1
+    return Sharding(paths=("diffusion_model",), keep_off_device=tp > 1,
+                    model_bytes=comfy.model_management.module_size(model.model),
+                    sharded_bytes=comfy.model_management.module_size(diffusion_model),
+                    rank0_bytes=shard_nbytes(diffusion_model, plan.tensor_parallel, tp), release=RUNTIME.release)
+
+
 def _attr(root, path: str):
     value = root
     for part in path.split("."):
@@ -78,8 +91,12 @@ class ShardTransformerNode(io.ComfyNode):
         if not isinstance(parallel_config, ParallelConfig):
             raise ConfigError(f"{NODE}: parallel_config must come from a Parallel Config node, got "
                               f"{type(parallel_config).__name__}")
-        plan = check_model(model.model.diffusion_model, parallel_config)
-        patched = model.clone()
+        diffusion_model = model.model.diffusion_model
+        plan = check_model(diffusion_model, parallel_config)
+        if parallel_config.world_size > 1:
+            patched = sharded_patcher(model, transformer_sharding(model, diffusion_model, plan, parallel_config))
+        else:
+            patched = model.clone()
         for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
             patched.remove_wrappers_with_key(kind, WRAPPER_KEY)  # a second Shard Transformer replaces the first
         if parallel_config.world_size > 1:

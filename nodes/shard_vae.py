@@ -11,8 +11,10 @@ import copy
 
 from comfy_api.latest import io
 
+from ..parallel_runtime.comfy_patcher import Sharding, sharded_patcher
 from ..parallel_runtime.comfy_wrappers import ShardedFirstStage
 from ..parallel_runtime.config import ConfigError, ParallelConfig
+from ..parallel_runtime.runtime import RUNTIME
 from ..parallel_runtime.vae_parallel import check_vae
 from .parallel_config import ParallelConfigType
 
@@ -73,6 +75,12 @@ class ShardVAENode(io.ComfyNode):
                               "Shard VAE the same Parallel Config as Shard Transformer")
         if parallel_config.world_size == 1:
             return io.NodeOutput(vae)
-        sharded = copy.copy(vae)  # ComfyUI's VAE has no clone(); the copy shares the weights and the patcher
+        import comfy.model_management
+
+        sharded = copy.copy(vae)  # ComfyUI's VAE has no clone(); the copy shares the weights
+        # Its own patcher: ComfyUI loads and unloads the VAE through it, and an unload frees every rank.
+        sharded.patcher = sharded_patcher(vae.patcher, Sharding(
+            paths=("",), keep_off_device=False, model_bytes=comfy.model_management.module_size(vae.first_stage_model),
+            release=RUNTIME.release))
         sharded.first_stage_model = ShardedFirstStage(vae.first_stage_model, parallel_config, plan.family)
         return io.NodeOutput(sharded)

@@ -1,10 +1,10 @@
 """The two wrappers Shard Transformer puts on ComfyUI's ModelPatcher.
 
 - ``OUTER_SAMPLE`` (once per sampling run): starts or reuses the workers before
-  ComfyUI loads the model, marks a new run (weights may have changed: LoRA), and
-  moves our forward wrapper innermost, so that wrappers of other nodes (caches
-  that skip steps, for example) decide on rank 0 whether a forward happens at all,
-  and every forward that does happen runs on all ranks.
+  ComfyUI loads the model, and moves our forward wrapper innermost, so that
+  wrappers of other nodes (caches that skip steps, for example) decide on rank 0
+  whether a forward happens at all, and every forward that does happen runs on
+  all ranks.
 - ``DIFFUSION_MODEL`` (every forward): dispatches the forward to all ranks and
   runs rank 0's shard under the model's context-parallel plan.
 
@@ -14,6 +14,7 @@ ComfyUI's cast of wrappers leaves them alone.
 from __future__ import annotations
 
 from . import interrupts
+from .comfy_patcher import note_patcher, source_of
 from .config import ParallelConfig
 from .plans import plan_for_family
 from .runtime import RUNTIME
@@ -43,7 +44,7 @@ class ShardedRun:
         if WRAPPER_KEY in forward_wrappers:
             forward_wrappers[WRAPPER_KEY] = forward_wrappers.pop(WRAPPER_KEY)  # last = innermost
         RUNTIME.world_for(self.config)
-        RUNTIME.begin_run()
+        note_patcher(guider.model_patcher)  # the weights of this run are this patcher's
         return executor(*args, **kwargs)
 
 
@@ -63,7 +64,7 @@ class ShardedForward:
         world = RUNTIME.world_for(self.config)
         with interrupts.deferred():  # Cancel lands right after this forward, on every rank alike
             return world.forward(module, plan_for_family(self.family), executor, args, kwargs,
-                                 epoch=RUNTIME.run_epoch)
+                                 source=source_of(module))
 
 
 class ShardedEncoderForward:
@@ -79,7 +80,11 @@ class ShardedEncoderForward:
         world = RUNTIME.world_for(self.config)
         forward = type(self.module).forward.__get__(self.module)
         with interrupts.deferred():
-            return world.forward(self.module, plan_for_family(self.family), forward, args, kwargs)
+            out = world.forward(self.module, plan_for_family(self.family), forward, args, kwargs,
+                                source=source_of(self.module))
+        # The caller computed its inputs where the encoder's own weights are (where ComfyUI
+        # offloads them, with tensor parallelism); it gets its output there too.
+        return _to_device(out, _input_device(args, kwargs))
 
 
 class ShardedFirstStage:
@@ -95,7 +100,8 @@ class ShardedFirstStage:
         world = RUNTIME.world_for(self._config)
         bound = getattr(type(self._module), method).__get__(self._module)
         with interrupts.deferred():
-            return world.forward(self._module, plan_for_family(self._family), bound, args, kwargs)
+            return world.forward(self._module, plan_for_family(self._family), bound, args, kwargs,
+                                 source=source_of(self._module))
 
     def decode(self, *args, **kwargs):
         return self._dispatch("decode", args, kwargs)
@@ -105,3 +111,27 @@ class ShardedFirstStage:
 
     def __getattr__(self, name):
         return getattr(self._module, name)
+
+
+def _input_device(args, kwargs):
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def _to_device(out, device):
+    import torch
+
+    if device is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out if out.device == device else out.to(device)
+    if isinstance(out, (list, tuple)):
+        items = [_to_device(v, device) for v in out]
+        return type(out)(items) if type(out) in (list, tuple) else type(out)(*items)
+    if isinstance(out, dict):
+        return {k: _to_device(v, device) for k, v in out.items()}
+    return out

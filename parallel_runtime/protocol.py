@@ -16,6 +16,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 # transformer_options entries that orchestrate sampling on rank 0 and are not
 # part of the computation the workers repeat: wrappers and callbacks run on rank 0
 # around the sharded forward; "easycache" is the state of ComfyUI's EasyCache and
@@ -24,6 +26,18 @@ RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks", "easycache"})
 # Entries that hold callables when another node patches the model: they would
 # change rank 0's computation only, so they are refused when non-empty.
 PATCH_KEYS = ("patches", "patches_replace", "optimized_attention_override")
+
+# One row per rank in the status table rank 0 shares with its local workers (a remote worker
+# sends its row, followed by its RSS). GPU figures are -1 on other devices.
+STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat", "gpu_allocated", "gpu_reserved")
+
+
+def device_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """(allocated, reserved) bytes of this process on ``device``; (None, None) off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, uuid.UUID, torch.dtype, torch.device, slice, range)
 
@@ -129,7 +143,7 @@ def broadcast_tensors(tensors: list[torch.Tensor] | None, meta: list, device: to
         else:
             flat = torch.empty(total, dtype=wire_dtype, device=device)
         if total:
-            dist.broadcast(flat, src=src, group=group)
+            comm.broadcast(flat, src=src, group=group)
         offset = 0
         for i in members:
             shape = meta[i][0]
@@ -138,33 +152,3 @@ def broadcast_tensors(tensors: list[torch.Tensor] | None, meta: list, device: to
             out[i] = piece.to(torch.bool) if dtype == torch.bool else piece
             offset += n
     return out  # type: ignore[return-value]
-
-
-def _groups(meta: list) -> dict:
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (_, dtype) in enumerate(meta):
-        by_dtype.setdefault(dtype, []).append(i)
-    return by_dtype
-
-
-def send_tensors(tensors: list[torch.Tensor], meta: list, dst: int) -> None:
-    """Point to point, one flat buffer per dtype (weights for a rank on another host)."""
-    for dtype, members in _groups(meta).items():
-        wire = torch.uint8 if dtype == torch.bool else dtype
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(wire) for i in members])
-        if flat.numel():
-            dist.send(flat, dst=dst)
-
-
-def recv_tensors(into: list[torch.Tensor], meta: list, src: int = 0) -> None:
-    """Receive what send_tensors sent, into preallocated tensors."""
-    for dtype, members in _groups(meta).items():
-        wire = torch.uint8 if dtype == torch.bool else dtype
-        flat = torch.empty(sum(_numel(meta[i][0]) for i in members), dtype=wire)
-        if flat.numel():
-            dist.recv(flat, src=src)
-        offset = 0
-        for i in members:
-            n = _numel(meta[i][0])
-            into[i].copy_(flat[offset: offset + n].view(meta[i][0]).to(dtype))
-            offset += n

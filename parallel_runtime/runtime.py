@@ -21,7 +21,6 @@ class Runtime:
         self._lock = threading.RLock()
         self._world = None  # the live World, if any
         self.last_failure: dict | None = None
-        self.run_epoch = 0
         self.comfyui_path: str | None = None  # None: found from the imported comfy package
 
     def world_for(self, config: ParallelConfig):
@@ -45,9 +44,10 @@ class Runtime:
     def world(self):
         return self._world
 
-    def begin_run(self) -> int:
-        self.run_epoch += 1
-        return self.run_epoch
+    def release(self, module) -> bool:
+        """ComfyUI unloaded ``module``: free it on every rank of the live world."""
+        world = self._world
+        return world is not None and world.state == "ready" and world.release(module)
 
     def shutdown(self, reason: str = "shutdown") -> None:
         with self._lock:

@@ -1,13 +1,16 @@
-"""Weights to the workers once, through shared memory.
+"""Module pickling for the two ways weights reach the other ranks.
 
-Rank 0 moves a module's CPU parameters and buffers into shared memory in place
-(the module ComfyUI owns keeps working on the same values) and pickles the
-module with ``ForkingPickler``: the pickle holds the module structure and small
-handles to the shared pages, a few KB for gigabytes of weights. Workers map the
-same pages, so N ranks on one host do not cost N copies of the weights.
+- Shared memory (CPU ranks on one host): rank 0 moves a module's CPU parameters and buffers
+  into shared memory in place (the module ComfyUI owns keeps working on the same values) and
+  pickles the module with ``ForkingPickler``: the pickle holds the structure and small handles
+  to the shared pages, a few KB for gigabytes of weights. Workers map the same pages, so N
+  ranks on one host do not cost N copies.
+- A skeleton (accelerators, other hosts): the structure alone, every tensor replaced by a
+  numbered slot. The receiver allocates each slot on its own device (at its shard's shape
+  with tensor parallelism) before unpickling, and ``weight_stream`` fills the slots from GPU
+  memory over the process group or by CUDA IPC. No host copy of the weights is made.
 
-Tensors on an accelerator are first copied to a CPU shared-memory shadow; a CUDA
-worker then copies its shadow onto its own device.
+Tensors are never used as dictionary keys here: comparing accelerator tensors is ambiguous.
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ import inspect
 import io
 import marshal
 import pickle
+import threading
 import types
-import weakref
 
 import torch
 import torch.multiprocessing
@@ -33,37 +36,41 @@ def use_shared_memory_strategy() -> None:
         torch.multiprocessing.set_sharing_strategy(SHARING_STRATEGY)
 
 
-_shadows: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
-
-
-def _shared_cpu(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu":
-        if not t.is_shared():
-            t.share_memory_()
-        return t
-    shadow = _shadows.get(t)
-    if shadow is None or shadow.shape != t.shape or shadow.dtype != t.dtype:
-        shadow = t.detach().to("cpu").share_memory_()
-        _shadows[t] = shadow
-    return shadow
-
-
 class _ModulePickler(ForkingPickler):
+    """Pickles a module for another process: layer classes made by factories and lambdas are
+    rebuilt there; ``module_state`` filters each module's attributes (the caller's say on
+    what must not travel, such as ComfyUI's per-process lowvram state)."""
+
+    def __init__(self, *args, module_state=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.module_state = module_state
+
     def reducer_override(self, obj):
         if isinstance(obj, type) and "<locals>" in obj.__qualname__:
             return _local_class_reduction(obj)
         if isinstance(obj, types.FunctionType) and ("<lambda>" in obj.__qualname__ or "<locals>" in obj.__qualname__):
             return _function_by_code(obj)
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            shadow = _shared_cpu(obj)
-            if isinstance(obj, torch.nn.Parameter):
-                return (torch.nn.Parameter, (shadow, obj.requires_grad))
-            return (_identity, (shadow,))
+        if isinstance(obj, torch.nn.Module) and ("forward" in obj.__dict__ or self.module_state is not None):
+            return self._module_reduction(obj)
         return NotImplemented
 
+    def _module_reduction(self, module: torch.nn.Module):
+        """The module's own reduction with its state filtered: no instance-level ``forward``
+        (rank 0's dispatch, installed by an object patch on a text encoder: the copy is the model)."""
+        func, args, state, *rest = module.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        state = {k: v for k, v in state.items() if k != "forward"}
+        if self.module_state is not None:
+            state = self.module_state(module, state)
+        return (func, args, state, *rest)
 
-def _identity(x):
-    return x
+
+def _shared_cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise RuntimeError(f"shared-memory transport got a tensor on {t.device}; accelerator weights travel "
+                           "through weight_stream")
+    if not t.is_shared():
+        t.share_memory_()
+    return t
 
 
 def _local_class_reduction(cls: type):
@@ -153,17 +160,12 @@ def module_tensors(module: torch.nn.Module):
         yield b
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors (ComfyUI patches weights in inference mode) have no counter
-        return -1
+def tensor_digest(t: torch.Tensor) -> tuple:
+    """(shape, dtype, sha256 of the bytes): compares what two ranks hold without moving it."""
+    import hashlib
 
-
-def weights_fingerprint(module: torch.nn.Module) -> tuple:
-    """Changes when any weight is replaced (LoRA patch or unpatch) or, where torch tracks it,
-    modified in place. On the CPU an in-place change needs no resend: workers map the same pages."""
-    return tuple((t.data_ptr(), _version(t), tuple(t.shape), t.dtype) for t in module_tensors(module))
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return (tuple(t.shape), str(t.dtype), hashlib.sha256(data.numpy().tobytes()).hexdigest())
 
 
 def param_bytes(module: torch.nn.Module) -> int:
@@ -199,20 +201,22 @@ def without_forward_overrides(module: torch.nn.Module):
             mod.__dict__["forward"] = fn
 
 
-def pack_module(module: torch.nn.Module) -> bytes:
+def pack_module(module: torch.nn.Module, module_state=None) -> bytes:
     """Share the module's CPU tensors in place and pickle it as shared-memory handles."""
     use_shared_memory_strategy()
     for t in module_tensors(module):
-        if t.device.type == "cpu":
-            _shared_cpu(t)
+        _shared_cpu(t)
     buf = io.BytesIO()
     try:
-        with without_forward_overrides(module):
-            _ModulePickler(buf, pickle.HIGHEST_PROTOCOL).dump(module)
+        _ModulePickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state).dump(module)
     except Exception as exc:
-        raise RuntimeError(f"cannot send {type(module).__name__} to the other ranks: {exc}. Some node attached "
-                           "an object to the model that cannot be shared between processes") from exc
+        raise _cannot_send(module, exc) from exc
     return buf.getvalue()
+
+
+def _cannot_send(module, exc) -> RuntimeError:
+    return RuntimeError(f"cannot send {type(module).__name__} to the other ranks: {exc}. Some node attached "
+                        "an object to the model that cannot be shared between processes")
 
 
 def shared_storages(module: torch.nn.Module) -> list:
@@ -237,50 +241,55 @@ def release_for_dead_receiver(storages) -> None:
             pass
 
 
-_RECEIVING: list = []  # tensors a remote unpickle created, in stream order, waiting for their data
+# ---------------------------------------------------------------- skeletons
+_filling = threading.local()
 
 
-def _remote_slot(shape, dtype):
-    t = torch.empty(shape, dtype=dtype)
-    _RECEIVING.append(t)
-    return t
+def _slot(index: int):
+    return _filling.tensors[index]
 
 
-class _RemotePickler(_ModulePickler):
-    """Like _ModulePickler, but tensors travel by value later (through the process group):
-    the pickle holds an empty slot for each, in stream order."""
+class _SkeletonPickler(_ModulePickler):
+    """Like _ModulePickler, but every tensor becomes a numbered slot (its data travels later)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}  # id(tensor) -> slot; keeps shared tensors shared
 
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and not (isinstance(obj, type) or type(obj).__name__ == "QuantizedTensor"):
-            value = obj.detach().to("cpu")
-            self.tensors.append(value)
-            slot = (_remote_slot, (tuple(value.shape), value.dtype))
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, type) and type(obj).__name__ != "QuantizedTensor":
+            index = self._index.get(id(obj))
+            if index is None:
+                index = self._index[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            slot = (_slot, (index,))
             if isinstance(obj, torch.nn.Parameter):
-                return (torch.nn.Parameter, (_Deferred(slot), obj.requires_grad))
+                return (torch.nn.Parameter, (_Deferred(slot), False))
             return slot
         return super().reducer_override(obj)
 
 
-def pack_module_remote(module: torch.nn.Module) -> tuple[bytes, list[torch.Tensor]]:
-    """The module's structure as a pickle, and its tensors to send after it, in order."""
+def pack_skeleton(module: torch.nn.Module, module_state=None) -> tuple[bytes, list[torch.Tensor]]:
+    """The module's structure as a pickle without any tensor data, and its tensors in slot order."""
     buf = io.BytesIO()
-    with without_forward_overrides(module):
-        pickler = _RemotePickler(buf, pickle.HIGHEST_PROTOCOL)
+    try:
+        pickler = _SkeletonPickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state)
         pickler.dump(module)
+    except Exception as exc:
+        raise _cannot_send(module, exc) from exc
     return buf.getvalue(), pickler.tensors
 
 
-def unpack_module_remote(data: bytes) -> tuple[torch.nn.Module, list[torch.Tensor]]:
-    """The module with empty tensors, and those tensors in the order their data will arrive."""
-    _RECEIVING.clear()
-    module = pickle.loads(data)
-    slots = list(_RECEIVING)
-    _RECEIVING.clear()
-    return module, slots
+def unpack_skeleton(data: bytes, tensors: list[torch.Tensor]) -> torch.nn.Module:
+    """The module, its slots taken by ``tensors`` (allocated by the receiver, in slot order)."""
+    _filling.tensors = tensors
+    try:
+        module = pickle.loads(data)
+    finally:
+        _filling.tensors = None
+    module.eval()
+    return module
 
 
 def unpack_module(data: bytes, device: torch.device) -> torch.nn.Module:

@@ -51,7 +51,7 @@ def _alias_rank0_package(name: str | None) -> None:
     if parent:
         sys.modules.setdefault(parent, types.ModuleType(parent))
     sys.modules[name] = parallel_runtime
-    for sub in ("transport", "protocol", "tensor_parallel", "plans", "plans.base"):
+    for sub in ("transport", "protocol", "tensor_parallel", "plans", "plans.base", "comfy_weights"):
         sys.modules[f"{name}.{sub}"] = importlib.import_module(f"parallel_runtime.{sub}")
 
 
@@ -102,7 +102,7 @@ class _Server:
         import torch
         import torch.distributed as dist
 
-        from parallel_runtime import transport
+        from parallel_runtime import protocol, transport
         from parallel_runtime.mesh import MeshLayout, ProcessMesh
 
         self.boot = boot
@@ -118,8 +118,8 @@ class _Server:
         assert kind == "status_table", kind
         self.remote = bool(boot.get("remote"))
         # On another host the table cannot be shared: the row goes to rank 0 in "stats" messages.
-        self.status_table = pickle.loads(table) if table is not None else torch.zeros(boot["world_size"], 4,
-                                                                                      dtype=torch.float64)
+        self.status_table = pickle.loads(table) if table is not None else \
+            torch.zeros(boot["world_size"], len(protocol.STATUS_FIELDS), dtype=torch.float64)
         timeout = datetime.timedelta(seconds=boot["timeout_s"])
         store = dist.TCPStore(boot["store_host"], boot["store_port"], boot["world_size"], False, timeout=timeout)
         dist.init_process_group(boot["backend"], store=store, rank=self.rank, world_size=boot["world_size"],
@@ -147,33 +147,70 @@ class _Server:
         self.conn.send(("released", self.rank))
 
     def on_load(self, key: str, family: str, data: bytes) -> None:
+        """CPU ranks on one host: map rank 0's shared pages (no copy)."""
         from parallel_runtime import transport
         from parallel_runtime.plans import plan_for_family
 
-        self.models.pop(key, None)  # release the old weights first
+        self._drop(key)  # release the old weights first
         module = transport.unpack_module(data, self.device)
         self.models[key] = (module, plan_for_family(family))
-        self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
-        self.conn.send(("loaded", key))
+        self._loaded(key)
 
-    def on_load_remote(self, key: str, family: str, data: bytes, meta) -> None:
-        from parallel_runtime import protocol, transport
+    def on_load_stream(self, key: str, family: str, data: bytes, wire: list, tp: tuple, channel: str,
+                       bucket_bytes: int) -> None:
+        """A skeleton whose slots are allocated here, on this rank's device, at this rank's
+        shape, then filled from rank 0's byte stream (weight_stream)."""
+        from parallel_runtime import transport, weight_stream
         from parallel_runtime.plans import plan_for_family
+        from parallel_runtime.tensor_parallel import finish_shard
 
-        self.models.pop(key, None)
-        module, slots = transport.unpack_module_remote(data)
-        protocol.recv_tensors(slots, meta, src=0)
-        module.to(self.device)
-        module.eval()
-        self.models[key] = (module, plan_for_family(family))
+        self._drop(key)  # free the old copy before the new one takes device memory
+        plan = plan_for_family(family)
+        tp_rank, tp_size = tp
+        entries = [weight_stream.Entry.from_wire(item) for item in wire]
+        slots = weight_stream.allocate(entries, tp_size, self.device)
+        module = transport.unpack_skeleton(data, slots)
+        link = weight_stream.ProcessGroupChannel() if channel == "process_group" else \
+            weight_stream.HandleChannel(conn=self.conn)
+        weight_stream.receive(entries, slots, link, self.device, tp_size, bucket_bytes)
+        if tp_size > 1:
+            finish_shard(module, plan.tensor_parallel, tp_rank, tp_size)
+        module.to(self.device)  # anything the skeleton carried by value
+        module.requires_grad_(False)
+        self.models[key] = (module, plan)
+        self._loaded(key)
+
+    def _loaded(self, key: str) -> None:
+        from parallel_runtime import transport
+
         self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
         self.conn.send(("loaded", key))
+
+    def _drop(self, key: str) -> None:
+        import gc
+
+        import torch
+
+        if self.models.pop(key, None) is None:
+            return
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the memory back to the device, not just to torch's cache
 
     def on_drop(self, key: str) -> None:
         from parallel_runtime import transport
 
-        self.models.pop(key, None)
+        self._drop(key)
         self._publish(param_bytes=transport.param_bytes_all(m for m, _ in self.models.values()))
+
+    def on_digest(self, key: str) -> None:
+        """Name -> (shape, dtype, sha256 of the bytes) of every tensor this rank holds for ``key``
+        (tests: did a worker receive exactly the slices it should have?)."""
+        from parallel_runtime.tensor_parallel import named_tensors
+        from parallel_runtime.transport import tensor_digest
+
+        module, _ = self.models[key]
+        self.conn.send(("digest", {name: tensor_digest(t) for name, t in named_tensors(module)}))
 
     def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool) -> None:
         import torch
@@ -190,6 +227,8 @@ class _Server:
         with torch.inference_mode():
             run_sharded(module, plan, self.mesh, method, method, args, kwargs,
                         distributed_attention=distributed_attention)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels
         row = self.status_table[self.rank]
         row[0] = (time.perf_counter() - started) * 1e3
         row[2] += 1
@@ -198,13 +237,16 @@ class _Server:
 
     def _maybe_inject_fault(self) -> None:
         """Failure drills: PARALLEL_FAULT_INJECT="raise:<rank>:<n>" makes that rank raise on its
-        n-th forward, so that error reporting can be tested end to end."""
+        n-th forward, "hang:<rank>:<n>" makes it stop there without dying (the watchdog's case),
+        so that error reporting can be tested end to end."""
         spec = os.environ.get("PARALLEL_FAULT_INJECT", "")
         kind, _, rest = spec.partition(":")
         rank, _, nth = rest.partition(":")
-        if kind == "raise" and rank.isdigit() and int(rank) == self.rank:
+        if kind in ("raise", "hang") and rank.isdigit() and int(rank) == self.rank:
             self.forwards_seen = getattr(self, "forwards_seen", 0) + 1
             if self.forwards_seen == int(nth or 1):
+                if kind == "hang":  # alive, but never joins the forward's collectives
+                    time.sleep(10**6)
                 raise RuntimeError(f"injected fault on rank {self.rank} (PARALLEL_FAULT_INJECT={spec})")
 
     def on_ping(self) -> None:
@@ -215,6 +257,11 @@ class _Server:
         self._send_stats()
 
     def _send_stats(self) -> None:
+        from parallel_runtime import protocol
+
+        allocated, reserved = protocol.device_memory(self.device)
+        row = self.status_table[self.rank]
+        row[4], row[5] = (-1.0, -1.0) if allocated is None else (float(allocated), float(reserved))
         if self.remote:
             import psutil
 

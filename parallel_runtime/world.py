@@ -18,7 +18,6 @@ import collections
 import gc
 import datetime
 import inspect
-import itertools
 import json
 import logging
 import os
@@ -29,7 +28,6 @@ import tempfile
 import threading
 import time
 import traceback
-import weakref
 from multiprocessing.connection import Listener
 from pathlib import Path
 
@@ -37,11 +35,12 @@ import torch
 import torch.distributed as dist
 
 from . import arguments, protocol, transport
+from .model_copies import ModelCopies
+from .watchdog import Watchdog, prepare_nccl_environment
 from .config import ParallelConfig
 from .mesh import MeshLayout, ProcessMesh
 from .execution import run_sharded
-from .plans import ModelPlan, check_plan_matches, check_supported_arguments
-from .tensor_parallel import build_shard
+from .plans import ModelPlan, check_supported_arguments
 
 log = logging.getLogger("parallel")
 
@@ -58,8 +57,10 @@ def _env_seconds(name: str, default: float) -> float:
 
 STARTUP_TIMEOUT_S = _env_seconds("PARALLEL_STARTUP_TIMEOUT_S", 180)
 COLLECTIVE_TIMEOUT_S = _env_seconds("PARALLEL_COLLECTIVE_TIMEOUT_S", 300)
+# The backends' own timeout: later than the watchdog's, which names the rank that hung.
+BACKEND_TIMEOUT_S = COLLECTIVE_TIMEOUT_S + 60
 SHUTDOWN_GRACE_S = 15.0  # for workers to unmap their weights and exit when told to
-STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat")
+STATUS_FIELDS = protocol.STATUS_FIELDS
 
 
 def mirrored_comfy_args(device_type: str) -> dict:
@@ -188,8 +189,9 @@ class World:
         self._socket_dir = None
         self._store = None
         self._status_table = None
-        self._models: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-        self._model_keys = itertools.count(1)
+        self.startup_timeout = STARTUP_TIMEOUT_S
+        self.copies = ModelCopies(self)
+        self.watchdog = Watchdog(self._dead_ranks, self._stop_collectives)
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -223,7 +225,7 @@ class World:
             address = os.path.join(self._socket_dir, "control.sock")
             self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
             store_host = "127.0.0.1"
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        timeout = datetime.timedelta(seconds=BACKEND_TIMEOUT_S)
         self._store = dist.TCPStore(store_host, 0, self.world_size, True, timeout=timeout, wait_for_workers=False)
         self._status_table = torch.zeros(self.world_size, len(STATUS_FIELDS), dtype=torch.float64).share_memory_()
         remote: dict[str, list] = {}
@@ -234,7 +236,7 @@ class World:
                 "devices": list(self.config.devices), "backend": self.config.backend,
                 "store_host": store_host, "store_port": self._store.port, "control_address": address,
                 "authkey": authkey.hex(), "comfyui_path": self.comfyui_path, "pack_root": str(PACK_ROOT),
-                "parent_pid": os.getpid(), "threads": self.threads, "timeout_s": COLLECTIVE_TIMEOUT_S,
+                "parent_pid": os.getpid(), "threads": self.threads, "timeout_s": BACKEND_TIMEOUT_S,
                 "comfy_args": self.comfy_args, "remote": host is not None,
                 # Objects of this pack that rank 0 pickles are named after its package as ComfyUI
                 # imported it; workers alias that name to their own import.
@@ -258,11 +260,13 @@ class World:
         for w in self.workers:
             w.conn.send(("status_table", None if w.host else _pickled_shared(self._status_table)))
             w.maps_status_table = w.host is None
+        if self.config.backend == "nccl":
+            prepare_nccl_environment()
         dist.init_process_group(self.config.backend, store=self._store, rank=0, world_size=self.world_size,
                                 timeout=timeout)
         self.mesh = ProcessMesh(self.layout, 0)
         for w in self.workers:
-            self._expect(w, "ready", time.monotonic() + STARTUP_TIMEOUT_S)
+            self.expect(w, "ready", time.monotonic() + STARTUP_TIMEOUT_S)
 
     def _accept_all(self, deadline: float):
         pending = {w.rank: w for w in self.workers}
@@ -294,7 +298,7 @@ class World:
                 raise WorldStartError(f"ranks {sorted(pending)} did not connect within {STARTUP_TIMEOUT_S:.0f}s")
             time.sleep(0.02)
 
-    def _expect(self, w: _Worker, kind: str, deadline: float):
+    def expect(self, w: _Worker, kind: str, deadline: float):
         while True:
             try:
                 msg = w.recv(0.05)
@@ -315,11 +319,24 @@ class World:
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"rank {w.rank} did not answer within {STARTUP_TIMEOUT_S:.0f}s")
 
+    def _dead_ranks(self) -> list[int]:
+        return [w.rank for w in self.workers if not w.alive]
+
+    def _stop_collectives(self, reason: str, hung: bool) -> None:
+        """The watchdog's way out of a collective that cannot complete (see watchdog.py)."""
+        if hung:  # a living rank that never arrives: kill the workers, their sockets close
+            for w in self.workers:
+                if w.proc is not None and w.proc.poll() is None:
+                    w.proc.kill()
+        if self.config.backend == "nccl":  # NCCL kernels do not notice a dead peer: abort them
+            dist.distributed_c10d._abort_process_group()
+
     def shutdown(self, reason: str = "shutdown"):
         with self._lock:
             if self.state == "stopped":
                 return
             self.state = "stopped"
+            self.watchdog.close()
             died_on_their_own = {w.rank for w in self.workers if not w.alive}
             for w in self.workers:
                 try:
@@ -382,85 +399,25 @@ class World:
         return self.state == "ready" and all(w.alive for w in self.workers)
 
     # ---------------------------------------------------------------- models
-    def _ensure_module(self, module: torch.nn.Module, plan: ModelPlan, epoch) -> tuple[str, torch.nn.Module]:
-        """Send the module's weights unless the workers already hold these exact weights.
-
-        Returns the key the workers know the model by and the module rank 0 runs: the
-        module itself, or with tensor parallelism rank 0's shard of it. Weights can only
-        change between sampling runs (LoRA patch or unpatch), so the fingerprint is
-        checked once per run ``epoch``.
-        """
-        entry = self._models.get(module)
-        if entry is not None and epoch is not None and entry["epoch"] == epoch:
-            return entry["key"], entry["shard"] or module
-        fingerprint = transport.weights_fingerprint(module)
-        if entry is not None and entry["fingerprint"] == fingerprint:
-            entry["epoch"] = epoch
-            return entry["key"], entry["shard"] or module
-        check_plan_matches(module, plan)
-        key = entry["key"] if entry else f"m{next(self._model_keys)}"
-        started = time.perf_counter()
-        # Text encoders are sliced over every rank, transformers over the tp dimension.
-        tp_dim = "world" if plan.kind == "encoder" else "tp"
-        tp = self.mesh.size(tp_dim) if plan.tensor_parallel is not None else 1
-        if tp > 1:
-            # Each TP rank's slices, cut from the weights as ComfyUI patched them (LoRA merged).
-            shards = {r: build_shard(module, plan.tensor_parallel, r, tp) for r in range(tp)}
-            run_module = shards[self.mesh.local_rank(tp_dim)]
-            position = (lambda w: w.rank) if tp_dim == "world" else (lambda w: self.layout.coords(w.rank)["tp"])
-            module_of = lambda w: shards[position(w)]  # noqa: E731
-        else:
-            run_module = module
-            module_of = lambda w: module  # noqa: E731
-        for w in self.workers:
-            target = module_of(w)
-            if w.host is not None:
-                # Another host: the structure over the control connection, the weights (only this
-                # rank's shard) through the process group.
-                data, tensors = transport.pack_module_remote(target)
-                meta = protocol.tensor_meta(tensors)
-                w.conn.send(("load_remote", key, plan.family, data, meta))
-                protocol.send_tensors(tensors, meta, w.rank)
-                continue
-            # One pickle per receiver: each pickle takes a reference on the shared files that
-            # its receiver releases, so one pickle read by several workers would let them vanish.
-            w.conn.send(("load", key, plan.family, transport.pack_module(target)))
-            # From now on this worker holds a reference on each of these (given back if it dies).
-            w.storages[key] = transport.shared_storages(target)
-        fingerprint = transport.weights_fingerprint(module)  # sharing moved the storages
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for w in self.workers:
-            self._expect(w, "loaded", deadline)
-        nbytes = transport.param_bytes(run_module)
-        # No strong reference to the module in its own entry (a weak key would never die).
-        self._models[module] = {"key": key, "fingerprint": fingerprint, "param_bytes": nbytes, "epoch": epoch,
-                                "shard": run_module if run_module is not module else None}
-        weakref.finalize(module, _drop_remote_if_alive, weakref.ref(self), key)
-        log.info("sent %s (%.1f MB on rank 0%s) to %d workers in %.2fs", type(module).__name__, nbytes / 1e6,
-                 f", tensor parallel {tp}" if tp > 1 else "", len(self.workers), time.perf_counter() - started)
-        return key, run_module
-
-    def _drop_remote(self, key: str):
-        if self.state != "ready":
-            return
-        for w in self.workers:
-            try:
-                w.conn.send(("drop", key))
-                w.storages.pop(key, None)
-            except (OSError, EOFError):
-                pass
-
     @property
     def param_bytes_rank0(self) -> int:
-        return sum(e["param_bytes"] for e in list(self._models.values()))
+        return self.copies.param_bytes_rank0
+
+    def release(self, module: torch.nn.Module) -> bool:
+        """ComfyUI unloaded ``module``: free it on every rank."""
+        with self._lock:
+            return self.copies.release(module)
 
     # ---------------------------------------------------------------- forward
-    def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, epoch=None,
+    def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
                 distributed_attention: bool = True):
         """Run ``method(*args, **kwargs)`` of ``module`` on every rank, context-parallel.
 
         ``method`` is rank 0's bound callable (it may be a wrapper chain ending in a
         method of ``module``); workers call the method of the same name on their copy.
+        ``source`` (``comfy_weights.WeightSource``) says where the weights come from in
+        ComfyUI and when they changed; without it the module's tensors are sent as they are,
+        once.
         """
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
@@ -478,7 +435,8 @@ class World:
         t_prepared = time.perf_counter()
         # Nothing has reached a worker yet: errors above leave the world usable.
         try:
-            key, run_module = self._ensure_module(module, plan, epoch)
+            with self.watchdog.guard("weight send", STARTUP_TIMEOUT_S):
+                key, run_module = self.copies.ensure(module, plan, source)
             started = time.perf_counter()
             for w in self.workers:
                 w.conn.send(("forward", key, method_name, spec, meta, distributed_attention))
@@ -488,17 +446,21 @@ class World:
             # What rank 0 spends on dispatch besides the input broadcast (a collective).
             self.last_dispatch = {"prepare_ms": (t_prepared - t0) * 1e3, "weights_check_ms": (started - t_prepared) * 1e3,
                                   "send_ms": (t_sent - started) * 1e3, "broadcast_ms": (t_broadcast - t_sent) * 1e3}
-            with self._threads():
+            with self._threads(), self.watchdog.guard("forward", COLLECTIVE_TIMEOUT_S):
                 # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
                 # shard's method directly is what the wrapper chain would have done.
                 call = method if run_module is module else _method_of(run_module, method_name)
                 out = run_sharded(run_module, plan, self.mesh, call, _method_of(run_module, method_name), bound.args,
                                   bound.kwargs, distributed_attention=distributed_attention)
+                synchronize(self.device)  # a step's time, not the time to queue its kernels
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1
             return out
         except BaseException as exc:
-            failure = self._explain_failure(exc)
+            if self.watchdog.hung:  # it killed the workers: their deaths say nothing
+                failure = f"{self.watchdog.fired}; every rank was stopped and the next run starts fresh workers"
+            else:
+                failure = self._explain_failure(exc)
             self.failure = failure or f"rank 0: {type(exc).__name__}: {exc}"
             self.state = "failed"
             self.shutdown("a rank failed" if failure else f"rank 0 raised {type(exc).__name__}")
@@ -568,6 +530,7 @@ class World:
             if rank == 0:
                 alive, device = True, self.config.devices[0]
                 last_ms, nbytes, forwards = self.last_forward_ms, self.param_bytes_rank0, self.forwards
+                gpu = protocol.device_memory(self.device)
             else:
                 w = self.workers[rank - 1]
                 if w.host is not None:
@@ -578,22 +541,25 @@ class World:
                     row = table[rank].tolist() if table is not None else [0.0] * len(STATUS_FIELDS)
                 last_ms = row[0] if row[2] > 0 else None
                 nbytes, forwards = int(row[1]), int(row[2])
+                gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
             if rank > 0 and self.workers[rank - 1].host is not None:  # another host: what it reported
-                rss = row[4] if len(row) > 4 else None
+                rss = row[len(STATUS_FIELDS)] if len(row) > len(STATUS_FIELDS) else None
                 mem = {"rss_bytes": int(rss) if rss else None, "pss_bytes": None}
             else:
                 mem = process_memory(pid) if alive else {"rss_bytes": None, "pss_bytes": None}
             ranks.append({"rank": rank, "device": device, "pid": pid, "alive": alive, "param_bytes": nbytes,
-                          **mem, "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
+                          **mem, "gpu_allocated_bytes": None if gpu[0] is None else int(gpu[0]),
+                          "gpu_reserved_bytes": None if gpu[1] is None else int(gpu[1]),
+                          "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
                           "coords": self.layout.coords(rank), "host": self.config.host_of(rank) or "local"})
         return {"world_size": self.world_size, "mesh": self.config.mesh_sizes, "backend": self.config.backend,
+                "transport": self.copies.transport, "last_weight_send": self.copies.last_send or None,
                 "state": self.state, "failure": self.failure, "forwards": self.forwards, "ranks": ranks}
 
 
-def _drop_remote_if_alive(world_ref, key: str) -> None:
-    world = world_ref()
-    if world is not None:
-        world._drop_remote(key)
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _pickled_shared(t: torch.Tensor) -> bytes:

@@ -107,6 +107,23 @@ def cpu_world(runtime, sizes: dict, config_module=None):
     return runtime.world_for(config)
 
 
+class VersionedSource:
+    """A weight source outside ComfyUI (``comfy_weights.WeightSource``'s interface): the module's
+    tensors as they are, under a version the test changes by hand."""
+
+    def __init__(self):
+        self.number = 0
+
+    def version(self):
+        return ("test", self.number)
+
+    def refuse_unsupported(self, what):
+        pass
+
+    def weight(self, name, tensor, device, owner=None):
+        return tensor if tensor.device == device else tensor.to(device)
+
+
 def single_process_references(cases: dict):
     """case name -> (model, args, kwargs, the model's output in this one process), each built
     on first use and kept for the module."""

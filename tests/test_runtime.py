@@ -46,9 +46,10 @@ def test_a_dead_worker_is_replaced_on_the_next_run(runtime):
     assert fresh is not world and fresh.healthy
 
 
-def test_shared_weights_are_released_after_worlds_end_even_when_a_worker_was_killed(runtime):
+def test_shared_weights_are_released_after_worlds_end_even_when_a_worker_was_killed(runtime, monkeypatch):
     """Every worker maps the weights' shared-memory files; a worker killed with SIGKILL
     never unmaps them. Once the model is gone on rank 0, no file may be left behind."""
+    monkeypatch.setenv("PARALLEL_WEIGHT_TRANSPORT", "shared")  # the CPU ranks' transport, whatever the caller chose
     import gc
     import glob
     import os

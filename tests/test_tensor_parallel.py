@@ -43,7 +43,7 @@ def test_matches_single_process(world, built, case):
         out = world.forward(model, find_plan(model), model._forward, args, {**kwargs, "transformer_options": {}})
     err = (out - ref).abs().max().item()
     full = sum(p.numel() * p.element_size() for p in model.parameters())
-    largest = world._models[model]["param_bytes"] / full  # rank 0's shard; every TP rank's is the same size
+    largest = world.copies._copies[model].param_bytes / full  # rank 0's shard; every TP rank's is the same size
     print(f"\n{case} on {world.config.describe()}: max abs err {err:.2e}; largest rank holds {largest:.3f} "
           "of the weights")
     assert out.shape == ref.shape
@@ -116,5 +116,5 @@ def test_scaled_fp8_weights_shard_in_fp8_with_their_scales(runtime):
         out = world.forward(model, find_plan(model), model._forward, args, {"transformer_options": {}})
     err = (out - ref).abs().max().item()
     print(f"\nscaled fp8 Wan, TP 2: max abs err {err:.2e}; rank 0 holds "
-          f"{world._models[model]['param_bytes'] / sum(p.numel() * p.element_size() for p in model.parameters()):.3f}")
+          f"{world.copies._copies[model].param_bytes / sum(p.numel() * p.element_size() for p in model.parameters()):.3f}")
     assert err <= TOL

@@ -54,12 +54,12 @@ def test_conditioning_matches_one_process(name, world_size, runtime, monkeypatch
         assert (pooled - ref_pooled).abs().max().item() <= TOL
     world = runtime.world
     (module,) = [m for _, m in clip.cond_stage_model.named_modules() if PACK.parallel_runtime.plans.find_encoder_plan(m)]
-    entry = world._models[module]
-    held = entry["param_bytes"]
+    entry = world.copies._copies[module]
+    held = entry.param_bytes
     full = sum(p.numel() * p.element_size() for n, p in clip.cond_stage_model.named_parameters())
     layers_full = sum(p.numel() * p.element_size() for n, p in clip.cond_stage_model.named_parameters()
                       if ".block." in n or ".layers." in n)
-    shard_module = entry["shard"]
+    shard_module = entry.run_module
     layers_held = sum(p.numel() * p.element_size() for n, p in shard_module.named_parameters()
                       if ".block." in n or ".layers." in n)
     print(f"\n{name} over {world_size} ranks: max abs err {err:.2e}; rank 0 holds {layers_held / layers_full:.3f} of "

@@ -6,6 +6,7 @@ import torch
 from parallel_runtime.config import HostDevices, build_config
 from parallel_runtime.plans import find_plan
 from parallel_runtime.world import World, WorkerFailure
+from conftest import VersionedSource
 from tiny_models import TinyWan, build_wan_model
 
 pytestmark = pytest.mark.multirank
@@ -94,16 +95,21 @@ def test_image_to_video_keeps_image_cross_attention_local(world):
     assert err <= TOL
 
 
-def test_changed_weights_reach_the_workers(world, model):
+def test_changed_weights_reach_the_workers_when_their_version_changes(world, model):
+    source = VersionedSource()
     x, t, context = inputs(seed=1)
-    sharded(world, model, x, t, context)
-    block = model.blocks[0].self_attn.q
+    sharded(world, model, x, t, context, source=source)
+    block = model.blocks[0].self_attn.v  # (q and k go through RMSNorm, which hides a scale)
     original = block.weight
     try:
-        # What ComfyUI's LoRA patching does: a new tensor replaces the parameter.
+        # What ComfyUI's LoRA patching does: a new tensor replaces the parameter, and a new patch uuid says so.
         block.weight = torch.nn.Parameter(original.detach() * 1.5, requires_grad=False)
         ref = reference(model, x, t, context)
-        err, _ = errors(sharded(world, model, x, t, context), ref)
+        stale, _ = errors(sharded(world, model, x, t, context, source=source), ref)
+        source.number += 1
+        err, _ = errors(sharded(world, model, x, t, context, source=source), ref)
+        print(f"\nchanged weights: {stale:.2e} while the version stays, {err:.2e} after it changed")
+        assert stale > 1e-3  # the same version is never sent again (no tensor comparisons)
         assert err <= TOL
     finally:
         block.weight = original
@@ -112,7 +118,7 @@ def test_changed_weights_reach_the_workers(world, model):
 def test_worker_error_arrives_with_rank_and_traceback(world, model):
     x, t, context = inputs()
     sharded(world, model, x, t, context)
-    world._drop_remote(world._models[model]["key"])  # rank 1 forgets the model: its next forward raises
+    world.copies._drop_everywhere(world.copies._copies[model].key)  # rank 1 forgets the model: its next forward raises
     with pytest.raises(WorkerFailure) as info:
         sharded(world, model, x, t, context)
     message = str(info.value)

@@ -1,0 +1,227 @@
+"""Which models the ranks of a world hold, and getting the weights there.
+
+A model reaches the workers once per *version*: ComfyUI's patch set and lowvram state
+(``comfy_weights.WeightSource.version``) in this world's layout. A LoRA strength change gives
+a new version and a re-send; the same prompt again sends nothing. When ComfyUI unloads the
+model, ``release`` frees it on every rank.
+
+How the weights travel (``choose_transport``):
+
+- ``shared``: CPU ranks on one host map rank 0's pages (``transport.pack_module``), no copy.
+- ``process_group``: accelerators with NCCL, and ranks on other hosts: a skeleton plus a
+  bucketed byte stream from rank 0's device memory (``weight_stream``).
+- ``handles``: accelerators on one host without NCCL (several ranks sharing a GPU through
+  gloo): the same stream, each bucket handed over by CUDA IPC.
+
+With tensor parallelism rank 0 cuts every rank's slices from each weight in turn and keeps
+only its own; workers receive only theirs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import comfy_weights, transport, weight_stream
+from .plans import ModelPlan, check_plan_matches
+from .tensor_parallel import build_shard, cut_plan, finish_shard, named_tensors
+
+log = logging.getLogger("parallel")
+
+TRANSPORT_ENV = "PARALLEL_WEIGHT_TRANSPORT"  # expert / test override: shared, process_group, handles
+TRANSPORTS = ("shared", "process_group", "handles")
+
+
+def choose_transport(config) -> str:
+    forced = os.environ.get(TRANSPORT_ENV, "").strip().lower()
+    if forced:
+        if forced not in TRANSPORTS:
+            raise ValueError(f"{TRANSPORT_ENV}={forced!r}: choose one of {', '.join(TRANSPORTS)}")
+        if forced == "shared" and (config.multi_host or config.device_type != "cpu"):
+            raise ValueError(f"{TRANSPORT_ENV}=shared needs CPU ranks on one host")
+        if forced == "handles" and config.multi_host:
+            raise ValueError(f"{TRANSPORT_ENV}=handles needs every rank on one host")
+        return forced
+    if config.multi_host:
+        return "process_group"
+    if config.device_type == "cpu":
+        return "shared"
+    if config.backend == "nccl":
+        return "process_group"
+    return "handles" if sys.platform.startswith("linux") else "process_group"
+
+
+@dataclass
+class _Copy:
+    key: str
+    version: tuple
+    run_module: torch.nn.Module | None  # rank 0's own shard (tensor parallel), else None: the module itself
+    param_bytes: int
+
+
+class ModelCopies:
+    def __init__(self, world):
+        self._world = weakref.ref(world)
+        self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, _Copy]" = weakref.WeakKeyDictionary()
+        self._keys = itertools.count(1)
+        self._dead_keys: list[str] = []  # models garbage-collected on rank 0, to drop at the next safe point
+        self.transport = choose_transport(world.config)
+        self.last_send: dict = {}
+
+    @property
+    def world(self):
+        return self._world()
+
+    # ------------------------------------------------------------ queries
+    def holds(self, module: torch.nn.Module) -> bool:
+        return module in self._copies
+
+    @property
+    def param_bytes_rank0(self) -> int:
+        return sum(c.param_bytes for c in list(self._copies.values()))
+
+    def run_module(self, module: torch.nn.Module) -> torch.nn.Module | None:
+        copy = self._copies.get(module)
+        return None if copy is None else (copy.run_module or module)
+
+    # ------------------------------------------------------------ send
+    def ensure(self, module: torch.nn.Module, plan: ModelPlan, source: "comfy_weights.WeightSource | None"):
+        """The key the workers know ``module`` by and the module rank 0 runs (``module`` itself,
+        or its tensor-parallel shard), sending the weights first unless the ranks hold this version."""
+        world = self.world
+        self.drop_dead()
+        version = (world.layout.sizes, source.version() if source is not None else ("as given",))
+        found = self._copies.get(module)
+        if found is not None and found.version == version:
+            return found.key, found.run_module or module
+        check_plan_matches(module, plan)
+        if source is not None:
+            source.refuse_unsupported(plan.title)
+        key = found.key if found is not None else f"m{next(self._keys)}"
+        if found is not None:
+            self._copies.pop(module, None)  # rank 0's old shard goes before the new one is cut
+            found.run_module = None
+        started = time.perf_counter()
+        tp_dim = "world" if plan.kind == "encoder" else "tp"  # text encoders: sliced over every rank
+        tp = world.mesh.size(tp_dim) if plan.tensor_parallel is not None else 1
+        coords = [r if tp_dim == "world" else world.layout.coords(r)["tp"] for r in range(world.world_size)]
+        if self.transport == "shared":
+            run_module = self._send_shared(module, plan, source, key, tp, coords)
+        else:
+            run_module = self._send_stream(module, plan, source, key, tp, coords)
+        deadline = time.monotonic() + world.startup_timeout
+        for w in world.workers:
+            world.expect(w, "loaded", deadline)
+        nbytes = transport.param_bytes(run_module)
+        self._copies[module] = _Copy(key, version, run_module if run_module is not module else None, nbytes)
+        weakref.finalize(module, _release_key, weakref.ref(self), key)
+        elapsed = time.perf_counter() - started
+        self.last_send = {"seconds": elapsed, "transport": self.transport, "rank0_bytes": nbytes, "tp": tp}
+        log.info("sent %s (%.1f MB on rank 0%s) to %d workers by %s in %.2fs", type(module).__name__, nbytes / 1e6,
+                 f", tensor parallel {tp}" if tp > 1 else "", len(world.workers), self.transport, elapsed)
+        return key, run_module
+
+    def _weight_of(self, module, source, device):
+        if source is None:
+            return lambda name, t: t if t.device == device else t.to(device)
+        owners = comfy_weights.owners(module)
+        return lambda name, t: source.weight(name, t, device, owners.get(name))
+
+    def _send_shared(self, module, plan, source, key, tp, coords):
+        """CPU ranks on one host: each worker maps the pages of its module (zero copy)."""
+        world = self.world
+        weight_of = self._weight_of(module, source, torch.device("cpu"))
+        if tp > 1:
+            shards = {c: build_shard(module, plan.tensor_parallel, c, tp, weight_of=weight_of) for c in range(tp)}
+            run_module, target_of = shards[coords[0]], (lambda rank: shards[coords[rank]])
+        else:
+            run_module, target_of = module, (lambda rank: module)
+        for w in world.workers:
+            target = target_of(w.rank)
+            # One pickle per receiver: each pickle takes a reference on the shared files that
+            # its receiver releases, so one pickle read by several workers would let them vanish.
+            w.conn.send(("load", key, plan.family,
+                         transport.pack_module(target, module_state=comfy_weights.worker_module_state)))
+            w.storages[key] = transport.shared_storages(target)  # given back if this worker dies
+        return run_module
+
+    def _send_stream(self, module, plan, source, key, tp, coords):
+        """Accelerators and other hosts: a skeleton, then the bytes from rank 0's device."""
+        world = self.world
+        device = world.device
+        data, tensors = transport.pack_skeleton(module, module_state=comfy_weights.worker_module_state)
+        names = {id(t): n for n, t in named_tensors(module)}
+        cuts = cut_plan(module, plan.tensor_parallel, tp) if tp > 1 else {}
+        entries = [weight_stream.Entry(tuple(t.shape), t.dtype, cuts.get(id(t))) for t in tensors]
+        wire = [e.wire() for e in entries]
+        for w in world.workers:
+            w.conn.send(("load_stream", key, plan.family, data, wire, (coords[w.rank], tp), self.transport,
+                         weight_stream.BUCKET_BYTES))
+        weight_of = self._weight_of(module, source, device)
+
+        def weight(i):
+            t = tensors[i]
+            return weight_of(names.get(id(t)), t)
+
+        kept = weight_stream.send(entries, weight, self._channel(), device, tp, coords,
+                                  keep_coord=coords[0] if tp > 1 else None)
+        if tp == 1:
+            return module
+        shard = finish_shard(transport.unpack_skeleton(data, kept), plan.tensor_parallel, coords[0], tp)
+        return shard.to(device)
+
+    def _channel(self):
+        if self.transport == "process_group":
+            return weight_stream.ProcessGroupChannel()
+        world = self.world
+
+        def send(payloads, bucket):
+            for w in world.workers:
+                w.conn.send(("bucket", bucket if payloads is None else payloads[w.rank]))
+
+        def confirm():
+            deadline = time.monotonic() + world.startup_timeout
+            for w in world.workers:
+                world.expect(w, "bucket_done", deadline)
+        return weight_stream.HandleChannel(send=send, confirm=confirm)
+
+    # ------------------------------------------------------------ release
+    def release(self, module: torch.nn.Module) -> bool:
+        """Free ``module`` on every rank (ComfyUI unloaded it). True if the ranks held it."""
+        self.drop_dead()
+        copy = self._copies.pop(module, None)
+        if copy is None:
+            return False
+        copy.run_module = None
+        self._drop_everywhere(copy.key)
+        return True
+
+    def drop_dead(self) -> None:
+        """Tell the workers to drop the models rank 0 no longer has."""
+        while self._dead_keys:
+            self._drop_everywhere(self._dead_keys.pop())
+
+    def _drop_everywhere(self, key: str) -> None:
+        world = self.world
+        if world is None or world.state != "ready":
+            return
+        for w in world.workers:
+            try:
+                w.conn.send(("drop", key))
+                w.storages.pop(key, None)
+            except (OSError, EOFError):
+                pass
+
+
+def _release_key(copies_ref, key: str) -> None:
+    # A finalizer runs wherever the garbage collector does, even in the middle of a weight
+    # stream: only note the key here; ``drop_dead`` tells the workers at a safe point.
+    copies = copies_ref()
+    if copies is not None:
+        copies._dead_keys.append(key)
