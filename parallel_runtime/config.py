@@ -67,7 +67,9 @@ class ParallelConfig:
 
     def describe(self) -> str:
         dims = " x ".join(f"{d}{s}" for d, s in self.mesh_sizes.items() if s > 1) or "single rank"
-        return f"{dims} on {', '.join(self.devices)} ({self.backend})"
+        note = "; gloo on CUDA works but is slower than NCCL" if self.backend == "gloo" and \
+            self.device_type == "cuda" else ""
+        return f"{dims} on {', '.join(self.devices)} ({self.backend}{note})"
 
 
 def _fail(input_name: str, value, valid: str, node: str = NODE) -> ConfigError:
@@ -92,7 +94,7 @@ def validate_sizes(sizes: dict[str, int], node: str = NODE) -> None:
 _CUDA_ITEM = re.compile(r"^(?:cuda:)?(\d+)$")
 
 
-def parse_devices(spec: str, node: str = NODE) -> list[str] | str:
+def parse_devices(spec: str, node: str = NODE, share: bool = False) -> list[str] | str:
     """Parse the ``devices`` input.
 
     Returns "auto" or "cpu" (to be resolved against the world size), or an
@@ -119,7 +121,7 @@ def parse_devices(spec: str, node: str = NODE) -> list[str] | str:
     if len(kinds) > 1:
         raise _fail("devices", spec, "all ranks must use the same kind of device (all CPU or all CUDA)", node)
     cuda = [d for d in resolved if d != "cpu"]
-    if len(set(cuda)) != len(cuda):
+    if len(set(cuda)) != len(cuda) and not share:
         raise _fail("devices", spec, "each CUDA device may appear once (one rank per device)", node)
     return resolved
 
@@ -131,6 +133,17 @@ class HostDevices:
     main_device: str      # the device ComfyUI computes on (rank 0), e.g. "cpu" or "cuda:0"
     cuda_count: int = 0
     cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
+    nccl: bool = True     # torch was built with NCCL (not on native Windows, not in CPU-only builds)
+    # Test-only (PARALLEL_SHARE_DEVICE=1): several ranks may share one GPU, through gloo (NCCL
+    # refuses two ranks on one device). Checks memory, transport and exactness on one GPU.
+    share_devices: bool = False
+
+
+SHARE_DEVICE_ENV = "PARALLEL_SHARE_DEVICE"
+
+
+def share_devices_requested() -> bool:
+    return os.environ.get(SHARE_DEVICE_ENV, "") not in ("", "0")
 
 
 def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE) -> tuple[str, ...]:
@@ -141,6 +154,8 @@ def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE
         if parsed == "cuda":
             first = int(host.main_device.split(":")[1]) if ":" in host.main_device else 0
             order = [first] + [i for i in range(host.cuda_count) if i != first]
+            if host.share_devices:  # test-only: ranks wrap around the GPUs there are
+                return tuple(f"cuda:{order[r % len(order)]}" for r in range(world_size))
             if world_size > len(order):
                 raise _fail("devices", "auto", f"the world size {world_size} (product of the sizes) needs "
                             f"{world_size} devices but this machine has {host.cuda_count} CUDA devices; "
@@ -183,17 +198,22 @@ def _canonical(device: str) -> str:
     return "cuda:0" if device == "cuda" else device
 
 
-def resolve_backend(spec: str, device_type: str, node: str = NODE) -> str:
+def resolve_backend(spec: str, device_type: str, node: str = NODE, nccl_available: bool = True,
+                    shared_device: bool = False) -> str:
+    """``auto``: NCCL on CUDA where torch has it and every rank has a GPU of its own, else gloo
+    (slower on CUDA: accelerator tensors go through host memory, see ``comm``)."""
     spec = (spec or "auto").strip().lower()
     if spec not in BACKENDS:
         raise _fail("backend", spec, f"choose one of {', '.join(BACKENDS)}", node)
     if spec == "auto":
-        return "nccl" if device_type == "cuda" else "gloo"
+        return "nccl" if device_type == "cuda" and nccl_available and not shared_device else "gloo"
     if spec == "nccl" and device_type != "cuda":
         raise _fail("backend", spec, "NCCL needs CUDA devices; use 'gloo' or 'auto' for CPU ranks", node)
-    if spec == "gloo" and device_type == "cuda":
-        raise _fail("backend", spec, "gloo lacks the all-to-all that context parallelism needs on CUDA "
-                    "tensors; use 'nccl' or 'auto' for CUDA ranks", node)
+    if spec == "nccl" and not nccl_available:
+        raise _fail("backend", spec, "this PyTorch has no NCCL (native Windows and CPU-only builds have none); "
+                    "use 'gloo' or 'auto'", node)
+    if spec == "nccl" and shared_device:
+        raise _fail("backend", spec, "NCCL refuses two ranks on one GPU; use 'gloo' or 'auto'", node)
     return spec
 
 
@@ -242,13 +262,15 @@ def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices=
     world_size = cfg_size * ring_size * ulysses_size * tp_size
     host_list = parse_hosts(hosts, world_size, tp_size, node)
     local_ranks = host_list[0][1] if host_list else world_size
-    resolved = resolve_devices(parse_devices(devices, node), local_ranks, host, node)
+    resolved = resolve_devices(parse_devices(devices, node, share=host.share_devices), local_ranks, host, node)
     if len(host_list) > 1:
         address = parse_rendezvous(rendezvous, node)
         resolved = resolved + tuple(f"@{name}" for name, count in host_list[1:] for _ in range(count))
     else:
         address, host_list = "", ()
     device_type = resolved[0].split(":")[0]
+    local = [d for d in resolved if not d.startswith("@")]
+    shared = device_type == "cuda" and len(set(local)) < len(local)
     return ParallelConfig(cfg_size=cfg_size, ring_size=ring_size, ulysses_size=ulysses_size, tp_size=tp_size,
-                          devices=resolved, backend=resolve_backend(backend, device_type, node),
+                          devices=resolved, backend=resolve_backend(backend, device_type, node, host.nccl, shared),
                           devices_spec=str(devices), hosts=host_list, rendezvous=address)

@@ -93,12 +93,37 @@ def test_rank0_must_be_comfyui_device():
     assert "rank 0" in msg and "cuda:0" in msg
 
 
+NO_NCCL_GPU2 = HostDevices(main_device="cuda:0", cuda_count=2, cpu_count=32, nccl=False)  # native Windows
+ONE_GPU_SHARED = HostDevices(main_device="cuda:0", cuda_count=1, cpu_count=32, share_devices=True)
+
+
 @pytest.mark.parametrize("backend,host,expected", [("nccl", CPU2, "NCCL needs CUDA"),
-                                                   ("gloo", GPU4, "all-to-all"),
+                                                   ("nccl", NO_NCCL_GPU2, "has no NCCL"),
                                                    ("mpi", CPU2, "auto, nccl, gloo")])
 def test_backend_mismatches_are_refused(backend, host, expected):
     msg = refused(ulysses_size=2, backend=backend, host=host)
     assert f"backend={backend!r}" in msg and expected in msg
+
+
+def test_gloo_is_accepted_for_cuda_devices_and_says_it_is_slower():
+    cfg = build_config(ulysses_size=2, backend="gloo", host=GPU4)
+    assert cfg.backend == "gloo" and cfg.devices == ("cuda:0", "cuda:1")
+    assert "slower than NCCL" in cfg.describe()
+    assert "slower" not in build_config(ulysses_size=2, host=GPU4).describe()
+
+
+def test_auto_picks_nccl_only_where_torch_has_it():
+    assert build_config(ulysses_size=2, host=GPU4).backend == "nccl"
+    assert build_config(ulysses_size=2, host=NO_NCCL_GPU2).backend == "gloo"
+
+
+def test_ranks_share_one_gpu_only_with_the_test_switch_and_then_through_gloo():
+    assert "has 1 CUDA devices" in refused(ulysses_size=2, host=HostDevices("cuda:0", cuda_count=1))
+    cfg = build_config(ulysses_size=2, tp_size=2, host=ONE_GPU_SHARED)
+    assert cfg.devices == ("cuda:0",) * 4 and cfg.backend == "gloo"
+    assert build_config(ulysses_size=2, devices="0,0", host=ONE_GPU_SHARED).backend == "gloo"
+    assert "refuses two ranks on one GPU" in refused(ulysses_size=2, backend="nccl", host=ONE_GPU_SHARED)
+    assert "once" in refused(ulysses_size=2, devices="0,0", host=GPU4)
 
 
 def test_hosts_place_ranks_in_order_and_keep_tp_inside_a_host():

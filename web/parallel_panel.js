@@ -1,12 +1,15 @@
 // A "Parallel" tab in ComfyUI's sidebar: the mesh and, for every rank, its device, liveness,
-// memory, weights and last step time, from GET /parallel/status, refreshed every second while
-// the tab is open and at once when a prompt starts or finishes.
+// host memory, GPU memory (allocated / reserved), weights and last step time, from GET
+// /parallel/status, refreshed every second while the tab is open and at once when a prompt
+// starts or finishes.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const MB = 1024 * 1024;
 const fmtMB = (bytes) => (bytes == null ? "–" : `${(bytes / MB).toFixed(0)} MB`);
 const fmtMs = (ms) => (ms == null ? "–" : `${ms.toFixed(ms < 100 ? 1 : 0)} ms`);
+const fmtGpu = (r) => (r.gpu_allocated_bytes == null ? "–"
+  : `${(r.gpu_allocated_bytes / MB).toFixed(0)} / ${(r.gpu_reserved_bytes / MB).toFixed(0)} MB`);
 
 function el(tag, attrs = {}, children = []) {
   const node = document.createElement(tag);
@@ -24,7 +27,8 @@ function render(root, status) {
     .join(" × ") || "single rank";
   const header = el("div", { className: "hp-header" }, [
     el("div", { textContent: `World size ${status.world_size} — ${mesh}` }),
-    el("div", { textContent: `state: ${status.state}${status.backend ? ` · ${status.backend}` : ""}` }),
+    el("div", { textContent: `state: ${status.state}${status.backend ? ` · ${status.backend}` : ""}`
+      + `${status.transport ? ` · weights by ${status.transport}` : ""}` }),
   ]);
   const rows = (status.ranks || []).map((r) =>
     el("tr", { className: "hp-rank", dataset: { rank: r.rank } }, [
@@ -32,13 +36,14 @@ function render(root, status) {
       el("td", { textContent: r.device ?? "–" }),
       el("td", { textContent: r.alive ? "●" : "✕", style: `color:${r.alive ? "#6c6" : "#f66"}` }),
       el("td", { textContent: fmtMB(r.pss_bytes ?? r.rss_bytes) }),
+      el("td", { textContent: fmtGpu(r), className: "hp-gpu" }),
       el("td", { textContent: fmtMB(r.param_bytes) }),
       el("td", { textContent: fmtMs(r.last_forward_ms), className: "hp-last-ms" }),
       el("td", { textContent: r.forwards ?? 0, className: "hp-forwards" }),
     ]),
   );
   const table = el("table", { className: "hp-ranks" }, [
-    el("thead", {}, [el("tr", {}, ["rank", "device", "alive", "memory", "weights", "last step", "steps"]
+    el("thead", {}, [el("tr", {}, ["rank", "device", "alive", "memory", "GPU alloc / reserved", "weights", "last step", "steps"]
       .map((h) => el("th", { textContent: h })))]),
     el("tbody", {}, rows),
   ]);
