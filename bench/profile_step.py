@@ -19,7 +19,6 @@ from run import _import_comfy, mesh_config, scenario_call
 
 
 def profile(fn, steps: int = 2):
-    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 

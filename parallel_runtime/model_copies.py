@@ -72,7 +72,8 @@ class ModelCopies:
         self._keys = itertools.count(1)
         self._dead_keys: list[str] = []  # models garbage-collected on rank 0, to drop at the next safe point
         self.transport = choose_transport(world.config)
-        self.last_send: dict = {}
+        self.sends = 0
+        self.last_send: dict = {}  # the last model sent: seconds, transport, bytes (and the forward it came with)
 
     @property
     def world(self):
@@ -85,6 +86,9 @@ class ModelCopies:
     @property
     def param_bytes_rank0(self) -> int:
         return sum(c.param_bytes for c in list(self._copies.values()))
+
+    def key_of(self, module: torch.nn.Module) -> str:
+        return self._copies[module].key
 
     def run_module(self, module: torch.nn.Module) -> torch.nn.Module | None:
         copy = self._copies.get(module)
@@ -122,7 +126,8 @@ class ModelCopies:
         self._copies[module] = _Copy(key, version, run_module if run_module is not module else None, nbytes)
         weakref.finalize(module, _release_key, weakref.ref(self), key)
         elapsed = time.perf_counter() - started
-        self.last_send = {"seconds": elapsed, "transport": self.transport, "rank0_bytes": nbytes, "tp": tp}
+        self.sends += 1
+        self.last_send = {"seconds": round(elapsed, 3), "transport": self.transport, "rank0_bytes": nbytes, "tp": tp}
         log.info("sent %s (%.1f MB on rank 0%s) to %d workers by %s in %.2fs", type(module).__name__, nbytes / 1e6,
                  f", tensor parallel {tp}" if tp > 1 else "", len(world.workers), self.transport, elapsed)
         return key, run_module

@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 import uuid
 import torch
-import torch.distributed as dist
 
 from . import comm
 

@@ -185,6 +185,10 @@ class World:
         self.started_at = time.time()
         self.last_forward_ms: float | None = None
         self.forwards = 0
+        self.ready_at: float | None = None
+        # The first forward: its duration (weights sent included) and when it ended after the
+        # workers were ready (ComfyUI's own model loading in between included).
+        self.first_forward: dict | None = None
         self._listener = None
         self._socket_dir = None
         self._store = None
@@ -206,6 +210,7 @@ class World:
             self.shutdown("start failed")
             raise
         self.state = "ready"
+        self.ready_at = time.monotonic()
         log.info("parallel world ready: %s, %d ranks in %.1fs", self.config.describe(), self.world_size,
                  time.time() - self.started_at)
         return self
@@ -408,6 +413,22 @@ class World:
         with self._lock:
             return self.copies.release(module)
 
+    def holdings(self, module: torch.nn.Module) -> dict[int, dict]:
+        """rank -> {tensor name: (shape, dtype, sha256)} of what each rank holds of ``module``
+        (rank 0: what it runs), to check what arrived where without moving the weights."""
+        from .tensor_parallel import named_tensors
+
+        run_module = self.copies.run_module(module)
+        if run_module is None:
+            raise KeyError(f"the ranks hold no {type(module).__name__}")
+        out = {0: {name: transport.tensor_digest(t) for name, t in named_tensors(run_module)}}
+        key = self.copies.key_of(module)
+        deadline = time.monotonic() + self.startup_timeout
+        for w in self.workers:
+            w.conn.send(("digest", key))
+            out[w.rank] = self.expect(w, "digest", deadline)[1]
+        return out
+
     # ---------------------------------------------------------------- forward
     def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
                 distributed_attention: bool = True):
@@ -435,18 +456,20 @@ class World:
         t_prepared = time.perf_counter()
         # Nothing has reached a worker yet: errors above leave the world usable.
         try:
+            sends = self.copies.sends
             with self.watchdog.guard("weight send", STARTUP_TIMEOUT_S):
                 key, run_module = self.copies.ensure(module, plan, source)
             started = time.perf_counter()
-            for w in self.workers:
-                w.conn.send(("forward", key, method_name, spec, meta, distributed_attention))
-            t_sent = time.perf_counter()
-            protocol.broadcast_tensors(tensors, meta, self.device)
-            t_broadcast = time.perf_counter()
-            # What rank 0 spends on dispatch besides the input broadcast (a collective).
-            self.last_dispatch = {"prepare_ms": (t_prepared - t0) * 1e3, "weights_check_ms": (started - t_prepared) * 1e3,
-                                  "send_ms": (t_sent - started) * 1e3, "broadcast_ms": (t_broadcast - t_sent) * 1e3}
             with self._threads(), self.watchdog.guard("forward", COLLECTIVE_TIMEOUT_S):
+                for w in self.workers:
+                    w.conn.send(("forward", key, method_name, spec, meta, distributed_attention))
+                t_sent = time.perf_counter()
+                protocol.broadcast_tensors(tensors, meta, self.device)
+                t_broadcast = time.perf_counter()
+                # What rank 0 spends on dispatch besides the input broadcast (a collective).
+                self.last_dispatch = {"prepare_ms": (t_prepared - t0) * 1e3,
+                                      "weights_check_ms": (started - t_prepared) * 1e3,
+                                      "send_ms": (t_sent - started) * 1e3, "broadcast_ms": (t_broadcast - t_sent) * 1e3}
                 # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
                 # shard's method directly is what the wrapper chain would have done.
                 call = method if run_module is module else _method_of(run_module, method_name)
@@ -455,6 +478,11 @@ class World:
                 synchronize(self.device)  # a step's time, not the time to queue its kernels
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1
+            if self.first_forward is None:
+                self.first_forward = {"seconds": round(time.perf_counter() - t0, 3),
+                                      "after_ready_s": round(time.monotonic() - self.ready_at, 3)}
+            if self.copies.sends != sends:  # this forward carried a model to the ranks
+                self.copies.last_send["forward_s"] = round(time.perf_counter() - t0, 3)
             return out
         except BaseException as exc:
             if self.watchdog.hung:  # it killed the workers: their deaths say nothing
@@ -554,6 +582,7 @@ class World:
                           "coords": self.layout.coords(rank), "host": self.config.host_of(rank) or "local"})
         return {"world_size": self.world_size, "mesh": self.config.mesh_sizes, "backend": self.config.backend,
                 "transport": self.copies.transport, "last_weight_send": self.copies.last_send or None,
+                "first_forward": self.first_forward,
                 "state": self.state, "failure": self.failure, "forwards": self.forwards, "ranks": ranks}
 
 

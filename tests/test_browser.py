@@ -4,7 +4,6 @@ updating while it runs. Leaves a screenshot in out/browser/."""
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 

@@ -1,5 +1,4 @@
 """End to end through a real ComfyUI server and its HTTP API (POST /prompt), CPU and gloo."""
-import copy
 import os
 import signal
 import time
@@ -9,19 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from comfy_server import PromptFailed, PromptRejected
-from workflows import find_nodes, remove_passthrough
+from workflows import edited, find_nodes, remove_passthrough
 
 pytestmark = pytest.mark.comfy_server
 TOL = 1e-5
-
-
-def edited(prompt, **changes):
-    """Copy of ``prompt`` with inputs changed: changes = {class_type: {input: value}} passed as kwargs."""
-    out = copy.deepcopy(prompt)
-    for class_type, inputs in changes.items():
-        for node_id in find_nodes(out, class_type):
-            out[node_id]["inputs"].update(inputs)
-    return out
 
 
 def final_latent(server, prompt) -> torch.Tensor:

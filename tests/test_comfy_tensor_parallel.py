@@ -1,4 +1,7 @@
-"""Tensor parallelism through ComfyUI's HTTP API: LoRA-patched shards, and what each rank holds."""
+"""Tensor parallelism through ComfyUI's HTTP API: LoRA-patched shards, what each rank holds, and
+ComfyUI's /free reaching every rank."""
+import time
+
 import pytest
 
 from test_comfy_e2e import TOL, edited, final_latent, status
@@ -50,3 +53,18 @@ def test_each_rank_holds_its_share_of_the_weights(tiny_server, tiny_prompt, tp, 
     print(f"\nTP {tp}: weights per rank / whole model = {[round(s, 3) for s in shares]}")
     assert len(shares) == tp and info["mesh"]["tp"] == tp
     assert max(shares) <= limit and min(shares) > 0
+
+
+def test_free_unloads_every_rank_and_the_next_prompt_sends_again(tiny_server, tiny_prompt):
+    tp2 = edited(tiny_prompt, ParallelConfig={"ulysses_size": 1, "tp_size": 2}, KSampler={"seed": 17})
+    reference = final_latent(tiny_server, remove_passthrough(tp2, "ShardTransformer", "model"))
+    assert (final_latent(tiny_server, tp2) - reference).abs().max().item() <= TOL
+    assert all(r["param_bytes"] > 0 for r in status(tiny_server)["ranks"])
+    tiny_server.post("/free", {"unload_models": True, "free_memory": True})
+    deadline = time.monotonic() + 30
+    while any(r["param_bytes"] for r in status(tiny_server)["ranks"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    held = [r["param_bytes"] for r in status(tiny_server)["ranks"]]
+    print(f"\nweights per rank after /free: {held}")
+    assert held == [0, 0]
+    assert (final_latent(tiny_server, tp2) - reference).abs().max().item() <= TOL

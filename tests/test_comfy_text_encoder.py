@@ -4,25 +4,10 @@ import pytest
 import torch
 
 from comfy_server import PromptFailed
-from workflows import remove_passthrough
+from workflows import remove_passthrough, text_encoder_prompt
 
 pytestmark = pytest.mark.comfy_server
 TOL = 1e-5
-
-
-def prompt(text: str, folder: str, parallel=None) -> dict:
-    return {
-        "1": {"class_type": "CLIPLoader", "inputs": {"clip_name": "tiny_t5_base.safetensors", "type": "stable_audio",
-                                                     "device": "default"}},
-        "2": {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 2, "ring_size": 1, "tp_size": 1,
-                                                         "cfg_size": 1, "devices": "auto", "backend": "auto",
-                                                         **(parallel or {})}},
-        "3": {"class_type": "ShardTextEncoder", "inputs": {"clip": ["1", 0], "parallel_config": ["2", 0]}},
-        "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 0], "text": text}},
-        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-        "6": {"class_type": "SaveTrainingDataset", "inputs": {"latents": ["5", 0], "conditioning": ["4", 0],
-                                                              "folder_name": folder, "shard_size": 1000}},
-    }
 
 
 def conditioning(server, graph, folder) -> tuple[torch.Tensor, dict]:
@@ -34,9 +19,9 @@ def conditioning(server, graph, folder) -> tuple[torch.Tensor, dict]:
 
 def test_sharded_t5_gives_the_same_conditioning(tiny_server):
     text = "a lighthouse on a cliff in a storm, waves crashing, oil painting"
-    unsharded = remove_passthrough(prompt(text, "te_reference"), "ShardTextEncoder", "clip")
+    unsharded = remove_passthrough(text_encoder_prompt(text, "te_reference"), "ShardTextEncoder", "clip")
     reference, _ = conditioning(tiny_server, unsharded, "te_reference")
-    result, _ = conditioning(tiny_server, prompt(text, "te_sharded"), "te_sharded")
+    result, _ = conditioning(tiny_server, text_encoder_prompt(text, "te_sharded"), "te_sharded")
     err = (result - reference).abs().max().item()
     print(f"\nT5 behind Shard Text Encoder (2 ranks): conditioning {tuple(result.shape)}, max abs err {err:.2e}")
     assert result.shape == reference.shape and reference.abs().max().item() > 0
@@ -46,6 +31,6 @@ def test_sharded_t5_gives_the_same_conditioning(tiny_server):
 
 
 def test_world_size_that_does_not_split_the_encoder_is_refused(tiny_server):
-    bad = prompt("x", "te_bad", {"ulysses_size": 5, "devices": "cpu,cpu,cpu,cpu,cpu"})
+    bad = text_encoder_prompt("x", "te_bad", {"ulysses_size": 5, "devices": "cpu,cpu,cpu,cpu,cpu"})
     with pytest.raises(PromptFailed, match="Shard Text Encoder: the world size 5 .* does not split"):
         tiny_server.run(bad, timeout=120)

@@ -7,28 +7,10 @@ import pytest
 from PIL import Image
 
 from comfy_server import PromptFailed
-from test_comfy_e2e import TOL, edited, final_latent, status
-from workflows import find_nodes, remove_passthrough
+from test_comfy_e2e import TOL, edited, status
+from workflows import find_nodes, remove_passthrough, with_shard_vae
 
 pytestmark = pytest.mark.comfy_server
-
-
-def with_shard_vae(prompt: dict, parallel: dict) -> dict:
-    """The tiny workflow unsharded except for the VAE, plus a round trip through VAEEncode."""
-    p = remove_passthrough(prompt, "ShardTransformer", "model")
-    (vae_loader,) = find_nodes(p, "VAELoader")
-    (decode,) = find_nodes(p, "VAEDecode")
-    p["60"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
-                                                          "cfg_size": 1, "devices": "auto", "backend": "auto",
-                                                          **parallel}}
-    p["61"] = {"class_type": "ShardVAE", "inputs": {"vae": [vae_loader, 0], "parallel_config": ["60", 0]}}
-    p[decode]["inputs"]["vae"] = ["61", 0]
-    p["62"] = {"class_type": "VAEEncode", "inputs": {"pixels": [decode, 0], "vae": ["61", 0]}}
-    p["63"] = {"class_type": "SaveLatent", "inputs": {"samples": ["62", 0], "filename_prefix": "latents/reencoded"}}
-    for node_id in find_nodes(p, "SaveLatent"):
-        if node_id != "63":
-            del p[node_id]
-    return p
 
 
 def outputs(server, prompt):

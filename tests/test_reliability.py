@@ -1,18 +1,16 @@
 """Failure behaviour and long sessions through a real ComfyUI: killed and failing workers,
 cancels, swaps between sharded models, 50 prompts in a row, two ComfyUI instances at once."""
-import copy
 import os
 import signal
 import sys
 import threading
 import time
 
-import psutil
 import pytest
 
 from comfy_server import ComfyServer, PromptFailed
 from test_comfy_e2e import TOL, edited, final_latent, status
-from workflows import find_nodes, remove_passthrough
+from workflows import remove_passthrough, two_model_prompt
 
 pytestmark = pytest.mark.comfy_server
 
@@ -98,32 +96,27 @@ def test_a_worker_that_raises_shows_its_traceback(faulty_server, tiny_prompt):
     faulty_server.run(edited(tiny_prompt, KSampler={"seed": 62, "steps": 2}), timeout=300)
 
 
-def two_model_prompt(base_prompt: dict, first: dict, second: dict) -> dict:
-    """Wan 2.2 style: a high-noise model for the first steps, a low-noise one for the rest,
-    each behind its own Shard Transformer."""
-    p = copy.deepcopy(base_prompt)
-    (ks,) = find_nodes(p, "KSampler")
-    k = p.pop(ks)["inputs"]
-    (pc,) = find_nodes(p, "ParallelConfig")
-    (st,) = find_nodes(p, "ShardTransformer")
-    p[pc]["inputs"].update(first)
-    p["70"] = {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan21_t2v_4heads.safetensors",
-                                                      "weight_dtype": "default"}}
-    p["71"] = {"class_type": "ParallelConfig", "inputs": {**p[pc]["inputs"], **second}}
-    p["72"] = {"class_type": "ShardTransformer", "inputs": {"model": ["70", 0], "parallel_config": ["71", 0]}}
-    common = {"add_noise": "enable", "noise_seed": 81, "steps": 4, "cfg": 3.0, "sampler_name": "euler",
-              "scheduler": "simple", "positive": k["positive"], "negative": k["negative"]}
-    p["73"] = {"class_type": "KSamplerAdvanced", "inputs": {**common, "model": k["model"], "latent_image": k["latent_image"],
-                                                            "start_at_step": 0, "end_at_step": 2,
-                                                            "return_with_leftover_noise": "enable"}}
-    p["74"] = {"class_type": "KSamplerAdvanced", "inputs": {**common, "add_noise": "disable", "model": ["72", 0],
-                                                            "latent_image": ["73", 0], "start_at_step": 2,
-                                                            "end_at_step": 4, "return_with_leftover_noise": "disable"}}
-    for node in p.values():
-        for name, value in node["inputs"].items():
-            if value == [ks, 0]:
-                node["inputs"][name] = ["74", 0]
-    return p
+@pytest.fixture(scope="module")
+def hanging_server(tiny_base, comfyui_path):
+    """A ComfyUI whose rank 1 stops, alive, on its 3rd forward (PARALLEL_FAULT_INJECT=hang), with a
+    short collective timeout: the watchdog's case (a rank that never arrives)."""
+    server = ComfyServer(comfyui_path, tiny_base, python=sys.executable, log_path=tiny_base / "hanging.log",
+                         env={"PARALLEL_FAULT_INJECT": "hang:1:3", "PARALLEL_COLLECTIVE_TIMEOUT_S": "6"}).start()
+    yield server
+    server.stop()
+
+
+def test_a_rank_that_hangs_is_stopped_by_the_watchdog(hanging_server, tiny_prompt):
+    started = time.monotonic()
+    with pytest.raises(PromptFailed) as info:
+        hanging_server.run(edited(tiny_prompt, KSampler={"seed": 63}), timeout=300)
+    took = time.monotonic() - started
+    print(f"\na hung rank reported after {took:.1f} s: {str(info.value)[:160]}")
+    assert "did not complete within the collective timeout" in str(info.value) and "a rank hung" in str(info.value)
+    assert took < 60  # the backends' own timeout would be 66 s
+    # The next prompt starts fresh workers (the hang fires again on their 3rd forward, so run 2 steps).
+    hanging_server.run(edited(tiny_prompt, KSampler={"seed": 64, "steps": 2}), timeout=300)
+    assert all(r["alive"] for r in status(hanging_server)["ranks"])
 
 
 def test_alternating_sharded_models_and_configs(tiny_server, tiny_prompt):

@@ -71,12 +71,13 @@ def prepare_base_dir(base_dir: Path, extra_custom_nodes=()) -> Path:
 class ComfyServer:
     def __init__(self, comfyui_path: str | Path, base_dir: str | Path, python: str = sys.executable,
                  port: int | None = None, extra_args=(), env: dict | None = None, log_path: Path | None = None,
-                 extra_custom_nodes=()):
+                 extra_custom_nodes=(), cpu: bool = True):
         self.comfyui_path = Path(comfyui_path)
         self.base_dir = prepare_base_dir(Path(base_dir), extra_custom_nodes)
         self.python = python
         self.port = port or free_port()
         self.extra_args = list(extra_args)
+        self.cpu = cpu  # False: ComfyUI computes on its GPU
         self.env = env
         self.log_path = Path(log_path) if log_path else self.base_dir / "comfyui.log"
         self.proc: subprocess.Popen | None = None
@@ -88,8 +89,8 @@ class ComfyServer:
 
     # ------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 180) -> "ComfyServer":
-        cmd = [self.python, "-u", str(self.comfyui_path / "main.py"), "--cpu", "--listen", "127.0.0.1",
-               "--port", str(self.port), "--base-directory", str(self.base_dir), *self.extra_args]
+        cmd = [self.python, "-u", str(self.comfyui_path / "main.py"), *(["--cpu"] if self.cpu else []), "--listen",
+               "127.0.0.1", "--port", str(self.port), "--base-directory", str(self.base_dir), *self.extra_args]
         env = dict(os.environ, **(self.env or {}))
         env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = open(self.log_path, "ab")

@@ -144,12 +144,13 @@ def t5_base_state_dict(seed: int = 10) -> dict[str, torch.Tensor]:
                               seed, dtype=torch.float32)
 
 
-def _random_state_dict(module_factory, seed: int, dtype=torch.float16) -> dict[str, torch.Tensor]:
+def _random_state_dict(module_factory, seed: int, dtype=torch.float16, device="cpu") -> dict[str, torch.Tensor]:
     """Seeded weights for a model built on the meta device (no memory but the result):
-    norms near 1 (gamma/scale) or 0 (biases), matrices about 1/sqrt(fan-in)."""
+    norms near 1 (gamma/scale) or 0 (biases), matrices about 1/sqrt(fan-in). ``device``: where
+    the random numbers are drawn (a GPU draws billions of them in seconds); the result is on the CPU."""
     with torch.device("meta"):
         model = module_factory()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     sd = {}
     for key, meta in sorted(model.state_dict().items()):
         if not meta.dtype.is_floating_point:  # counters such as BatchNorm's num_batches_tracked
@@ -158,25 +159,29 @@ def _random_state_dict(module_factory, seed: int, dtype=torch.float16) -> dict[s
         if meta.ndim <= 1:
             ones = (key.endswith(("scale", "gamma", "norm.weight", "running_var")) or ".norm" in key
                     or re.search(r"norm\d\.weight$", key) is not None)  # CLIP's layer_norm1/2
-            value = (1.0 if ones else 0.0) + 0.02 * torch.randn(meta.shape, generator=gen)
+            value = (1.0 if ones else 0.0) + 0.02 * torch.randn(meta.shape, generator=gen, device=device)
         else:
-            value = torch.randn(meta.shape, generator=gen) * (0.5 / meta[0].numel() ** 0.5)
-        sd[key] = value.to(dtype)
+            value = torch.randn(meta.shape, generator=gen, device=device) * (0.5 / meta[0].numel() ** 0.5)
+        sd[key] = value.to(dtype).cpu()
     return sd
 
 
-def flux1_state_dict(seed: int = 11) -> dict[str, torch.Tensor]:
+def flux1_state_dict(seed: int = 11, depth: int = 1, depth_single: int = 1, text_dim: int | None = None,
+                     pooled_dim: int | None = None, dtype=torch.float16, device="cpu") -> dict[str, torch.Tensor]:
     """The smallest Flux.1 UNETLoader accepts: its detection fixes 24 heads of 128 (width 3072);
     one double and one single block (about 0.5B parameters, stored in fp16). Text and pooled
-    widths (read from the file) are the tiny T5-XXL's and CLIP-L's."""
+    widths (read from the file) are the tiny T5-XXL's and CLIP-L's. With Flux.1 dev's depths
+    (19 and 38) and widths (T5-XXL 4096, CLIP-L 768) it is Flux.1-dev-sized: 11.9B parameters."""
     import comfy.ldm.flux.model
     import comfy.ops
     from tiny_text_encoders import TEXT_DIM
 
     return _random_state_dict(lambda: comfy.ldm.flux.model.Flux(
-        image_model="flux", in_channels=16, out_channels=16, vec_in_dim=TEXT_DIM, context_in_dim=TEXT_DIM, hidden_size=3072,
-        mlp_ratio=4.0, num_heads=24, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
-        qkv_bias=True, guidance_embed=True, dtype=torch.float32, operations=comfy.ops.disable_weight_init), seed)
+        image_model="flux", in_channels=16, out_channels=16, vec_in_dim=pooled_dim or TEXT_DIM,
+        context_in_dim=text_dim or TEXT_DIM, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=depth,
+        depth_single_blocks=depth_single, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
+        guidance_embed=True, dtype=torch.float32, operations=comfy.ops.disable_weight_init), seed, dtype=dtype,
+        device=device)
 
 
 def stating_config(sd: dict, part: str, config: dict) -> tuple[dict, dict]:

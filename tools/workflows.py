@@ -119,3 +119,75 @@ def remove_passthrough(prompt: dict, class_type: str, through_input: str) -> dic
     for node_id in [k for k, n in out.items() if n["class_type"] == "ParallelConfig" and k not in consumed]:
         del out[node_id]
     return out
+
+
+# ---------------------------------------------------------------- prompt builders (tests, GPU check)
+def edited(prompt, **changes):
+    """Copy of ``prompt`` with inputs changed: changes = {class_type: {input: value}} passed as kwargs."""
+    out = copy.deepcopy(prompt)
+    for class_type, inputs in changes.items():
+        for node_id in find_nodes(out, class_type):
+            out[node_id]["inputs"].update(inputs)
+    return out
+
+
+def two_model_prompt(base_prompt: dict, first: dict, second: dict) -> dict:
+    """Wan 2.2 style: a high-noise model for the first steps, a low-noise one for the rest,
+    each behind its own Shard Transformer."""
+    p = copy.deepcopy(base_prompt)
+    (ks,) = find_nodes(p, "KSampler")
+    k = p.pop(ks)["inputs"]
+    (pc,) = find_nodes(p, "ParallelConfig")
+    (st,) = find_nodes(p, "ShardTransformer")
+    p[pc]["inputs"].update(first)
+    p["70"] = {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan21_t2v_4heads.safetensors",
+                                                      "weight_dtype": "default"}}
+    p["71"] = {"class_type": "ParallelConfig", "inputs": {**p[pc]["inputs"], **second}}
+    p["72"] = {"class_type": "ShardTransformer", "inputs": {"model": ["70", 0], "parallel_config": ["71", 0]}}
+    common = {"add_noise": "enable", "noise_seed": 81, "steps": 4, "cfg": 3.0, "sampler_name": "euler",
+              "scheduler": "simple", "positive": k["positive"], "negative": k["negative"]}
+    p["73"] = {"class_type": "KSamplerAdvanced", "inputs": {**common, "model": k["model"], "latent_image": k["latent_image"],
+                                                            "start_at_step": 0, "end_at_step": 2,
+                                                            "return_with_leftover_noise": "enable"}}
+    p["74"] = {"class_type": "KSamplerAdvanced", "inputs": {**common, "add_noise": "disable", "model": ["72", 0],
+                                                            "latent_image": ["73", 0], "start_at_step": 2,
+                                                            "end_at_step": 4, "return_with_leftover_noise": "disable"}}
+    for node in p.values():
+        for name, value in node["inputs"].items():
+            if value == [ks, 0]:
+                node["inputs"][name] = ["74", 0]
+    return p
+
+
+def with_shard_vae(prompt: dict, parallel: dict) -> dict:
+    """The tiny workflow unsharded except for the VAE, plus a round trip through VAEEncode."""
+    p = remove_passthrough(prompt, "ShardTransformer", "model")
+    (vae_loader,) = find_nodes(p, "VAELoader")
+    (decode,) = find_nodes(p, "VAEDecode")
+    p["60"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
+                                                          "cfg_size": 1, "devices": "auto", "backend": "auto",
+                                                          **parallel}}
+    p["61"] = {"class_type": "ShardVAE", "inputs": {"vae": [vae_loader, 0], "parallel_config": ["60", 0]}}
+    p[decode]["inputs"]["vae"] = ["61", 0]
+    p["62"] = {"class_type": "VAEEncode", "inputs": {"pixels": [decode, 0], "vae": ["61", 0]}}
+    p["63"] = {"class_type": "SaveLatent", "inputs": {"samples": ["62", 0], "filename_prefix": "latents/reencoded"}}
+    for node_id in find_nodes(p, "SaveLatent"):
+        if node_id != "63":
+            del p[node_id]
+    return p
+
+
+def text_encoder_prompt(text: str, folder: str, parallel=None) -> dict:
+    """CLIPLoader (the tiny T5-base) -> Shard Text Encoder -> CLIPTextEncode, the conditioning saved to ``folder``."""
+    return {
+        "1": {"class_type": "CLIPLoader", "inputs": {"clip_name": "tiny_t5_base.safetensors", "type": "stable_audio",
+                                                     "device": "default"}},
+        "2": {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 2, "ring_size": 1, "tp_size": 1,
+                                                         "cfg_size": 1, "devices": "auto", "backend": "auto",
+                                                         **(parallel or {})}},
+        "3": {"class_type": "ShardTextEncoder", "inputs": {"clip": ["1", 0], "parallel_config": ["2", 0]}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 0], "text": text}},
+        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "6": {"class_type": "SaveTrainingDataset", "inputs": {"latents": ["5", 0], "conditioning": ["4", 0],
+                                                              "folder_name": folder, "shard_size": 1000}},
+    }

@@ -1,0 +1,149 @@
+"""The pack and ComfyUI's model management, in this process: what the ranks receive is what
+ComfyUI's forward uses, re-sends follow what ComfyUI changes, tensor parallelism keeps the full
+weights out of ComfyUI's loading and tells it rank 0's real size, and an unload frees every rank."""
+import torch
+
+from conftest import PACK  # the pack as ComfyUI imports it
+from tiny_models import TinyWan, wan_state_dict
+
+TOL = 1e-4
+
+
+def tiny_patcher(seed=0, dim=256):
+    import comfy.sd
+
+    return comfy.sd.load_diffusion_model_state_dict(wan_state_dict(TinyWan(dim=dim, ffn_dim=2 * dim), seed=seed))
+
+
+def lora_like(patcher, strength: float, seed: int = 0):
+    """A clone with additive patches on a few weights (the shape of what a LoRA loader adds)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = ["diffusion_model.blocks.0.self_attn.v.weight", "diffusion_model.blocks.1.ffn.0.weight",
+            "diffusion_model.blocks.1.norm3.weight", "diffusion_model.head.head.weight"]
+    sd = patcher.model.state_dict()
+    clone = patcher.clone()
+    clone.add_patches({k: (torch.randn(sd[k].shape, generator=gen) * 0.05,) for k in keys if k in sd}, strength)
+    return clone
+
+
+def test_the_version_follows_what_comfyui_changes_and_never_compares_tensors(monkeypatch):
+    from parallel_runtime.comfy_weights import WeightSource
+
+    base = tiny_patcher()
+    v0 = WeightSource(base, "diffusion_model.").version()
+    assert WeightSource(base.clone(), "diffusion_model.").version() == v0  # a clone: same patches
+    lora = lora_like(base, 0.8)
+    v1 = WeightSource(lora, "diffusion_model.").version()
+    assert v1 != v0
+    assert WeightSource(lora_like(base, 0.3), "diffusion_model.").version() not in (v0, v1)  # a strength change
+    lora.model.model_lowvram, before = True, lora.model.model_lowvram
+    try:
+        assert WeightSource(lora, "diffusion_model.").version() != v1  # lowvram: weights patched per forward
+    finally:
+        lora.model.model_lowvram = before
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was compared")
+    monkeypatch.setattr(torch.Tensor, "__eq__", refuse)
+    monkeypatch.setattr(torch.Tensor, "__bool__", refuse)
+    WeightSource(lora, "diffusion_model.").version()
+
+
+def test_each_weight_is_what_comfyuis_forward_uses():
+    """Unpatched, merged by ComfyUI, merged by another clone, and patched per forward (lowvram)."""
+    import comfy.model_patcher
+
+    from parallel_runtime.comfy_weights import WeightSource, owners
+
+    cpu = torch.device("cpu")
+    base = tiny_patcher(seed=1)
+    ours, theirs = lora_like(base, 0.8, seed=1), lora_like(base, -0.5, seed=2)
+    module = base.model.diffusion_model
+    names = [n for n, _ in module.named_parameters()]
+    patched_names = [n for n in names if f"diffusion_model.{n}" in ours.patches]
+    assert len(patched_names) == 4
+    source = WeightSource(ours, "diffusion_model.")
+    ahead = {n: source.weight(n, t, cpu).clone() for n, t in module.named_parameters()}  # before ComfyUI patched
+
+    ours.patch_model(cpu)  # what ComfyUI's full load does: patches merged into the module
+    merged = dict(module.named_parameters())
+    for n in names:
+        assert torch.equal(ahead[n], merged[n]), n
+        assert source.weight(n, merged[n], cpu) is merged[n]  # merged by these patches: taken as it is
+    for n in patched_names:  # the patches matter
+        assert not torch.equal(ahead[n], ours.backup[f"diffusion_model.{n}"].weight), n
+    ours.unpatch_model(cpu)
+
+    theirs.patch_model(cpu)  # another clone's patches merged: ours come from ComfyUI's backup
+    for n, t in module.named_parameters():
+        assert torch.equal(source.weight(n, t, cpu), ahead[n]), n
+    theirs.unpatch_model(cpu)
+
+    layer_of = owners(module)
+    name = patched_names[0]
+    layer = layer_of[name]
+    key = f"diffusion_model.{name}"
+    layer.weight_function = [comfy.model_patcher.LowVramPatch(key, ours.patches)]  # ComfyUI's lowvram state
+    try:
+        expected = comfy.model_patcher.LowVramPatch(key, ours.patches)(module.get_parameter(name).detach().clone())
+        assert torch.equal(source.weight(name, module.get_parameter(name), cpu, layer), expected)
+    finally:
+        layer.weight_function = []
+
+
+def sample(model, seed=0):
+    import comfy.sample
+
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.zeros(1, 16, 2, 8, 10)
+    noise = torch.randn(latent.shape, generator=g)
+    positive = [[torch.randn(1, 6, 4096, generator=g), {}]]
+    negative = [[torch.randn(1, 6, 4096, generator=g), {}]]
+    return comfy.sample.sample(model, noise, 2, 3.0, "euler", "simple", positive, negative, latent, seed=seed,
+                               disable_pbar=True)
+
+
+def test_tp_keeps_the_full_weights_out_of_comfyuis_loading_and_an_unload_frees_every_rank():
+    import comfy.model_management as mm
+
+    runtime = PACK.parallel_runtime.runtime.RUNTIME
+    config = PACK.parallel_runtime.config.build_config(tp_size=2, devices="cpu,cpu",
+                                                       host=PACK.parallel_runtime.config.HostDevices("cpu"))
+    base = tiny_patcher(seed=2, dim=512)
+    lora = lora_like(base, 0.7, seed=3)
+    try:
+        reference = sample(lora)
+        mm.unload_all_models()
+        sharded = PACK.nodes.ShardTransformerNode.execute(lora, config).result[0]
+        out = sample(sharded)
+        err = (out - reference).abs().max().item()
+
+        (loaded,) = [m for m in mm.current_loaded_models if m.model is sharded]
+        full = mm.module_size(base.model)
+        dm_full = mm.module_size(base.model.diffusion_model)
+        world = runtime.world
+        rank0 = world.copies.run_module(base.model.diffusion_model)
+        rank0_bytes = sum(t.numel() * t.element_size() for t in (*rank0.parameters(), *rank0.buffers()))
+        print(f"\nTP 2 in ComfyUI: max abs err {err:.2e}; ComfyUI counts {loaded.model_memory() / full:.3f} of the "
+              f"model on rank 0's device; rank 0's shard {rank0_bytes / dm_full:.3f} of the transformer")
+        assert err <= TOL
+        assert loaded.model_memory() == sharded.model_size() <= 0.55 * full  # what ComfyUI frees room for
+        assert sharded.model.model_loaded_weight_memory <= 0.55 * full
+        # ComfyUI never merged the LoRA into the full weights (the pack patched them per layer).
+        assert not [k for k in sharded.backup if k.startswith("diffusion_model.")]
+        assert rank0_bytes <= 0.55 * dm_full
+
+        mm.unload_all_models()  # what /free and model switches do
+        assert not world.copies.holds(base.model.diffusion_model)
+        world.status()  # the workers report what they hold after dropping it
+        import time
+        deadline = time.monotonic() + 10
+        while world.status()["ranks"][1]["param_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r["param_bytes"] for r in world.status()["ranks"]] == [0, 0]
+
+        again = sample(sharded)  # loaded and sent again
+        assert (again - reference).abs().max().item() <= TOL
+    finally:
+        mm.unload_all_models()
+        runtime.shutdown("test done")

@@ -1,0 +1,26 @@
+"""tools/gpu_check.py, the GPU check, run here on CPU ranks with every case of its tiny set: the
+script is only run by hand on a GPU, so the suite keeps it from rotting in between."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.comfy_server
+
+
+def test_every_gpu_check_case_passes_on_cpu_ranks(tmp_path, comfyui_path):
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu", "--big", "none",
+                           "--out", str(tmp_path)], env=dict(os.environ, COMFYUI_PATH=comfyui_path),
+                          capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    rows = report["rows"]
+    print(f"\nGPU check on CPU ranks: {len(rows)} cases in {report['seconds']} s")
+    assert len(rows) == 12 and all(r["ok"] for r in rows)
+    assert {"Wan USP 2x2 (4 ranks)", "killed worker, then the next prompt", "interrupt"} <= {r["case"] for r in rows}
+    assert "| Wan TP 2, LoRA strength changed | pass |" in proc.stdout  # the table for the README

@@ -1,0 +1,121 @@
+"""The accelerator paths, run on the CPU: weights over the process group (what NCCL worlds use)
+or by IPC handles (one host without NCCL), forced with PARALLEL_WEIGHT_TRANSPORT; staged
+point-to-point transfers (gloo on CUDA), forced with PARALLEL_FORCE_STAGING. Every rank runs
+the code a GPU runs; each result is compared with one process in fp32."""
+import pytest
+import torch
+
+from conftest import VersionedSource
+from parallel_runtime.config import HostDevices, build_config
+from parallel_runtime.plans import find_plan
+from parallel_runtime.tensor_parallel import build_shard, named_tensors, shard_nbytes
+from parallel_runtime.transport import tensor_digest
+from parallel_runtime.world import World
+from tiny_models import TinyWan, build_wan_model
+
+pytestmark = pytest.mark.multirank
+TEXT_DIM = 64
+CPU4 = HostDevices("cpu", cpu_count=4)
+
+
+def start_world(comfyui_path, monkeypatch, env: dict, **sizes):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    n = 1
+    for v in sizes.values():
+        n *= v
+    return World(build_config(**sizes, devices=",".join(["cpu"] * n), host=CPU4), comfyui_path=comfyui_path).start()
+
+
+def wan_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 16, 3, 10, 14, generator=g), torch.tensor([700.0, 300.0]),
+            torch.randn(2, 7, TEXT_DIM, generator=g))
+
+
+def run(world, model, args, source=None):
+    with torch.inference_mode():
+        return world.forward(model, find_plan(model), model._forward, args, {"transformer_options": {}}, source=source)
+
+
+def reference(model, args):
+    with torch.inference_mode():
+        return model(*args, transformer_options={})
+
+
+@pytest.mark.parametrize("transport", ["process_group", "handles"])
+def test_weights_resent_to_three_workers_when_their_version_changes(comfyui_path, monkeypatch, transport):
+    """The first send and every re-send to a world of several workers (both crashed on a GPU
+    when a tensor-keyed dict compared CUDA tensors), and exactly the sent bytes on every rank."""
+    model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=3, text_dim=TEXT_DIM)
+    args = wan_inputs()
+    source = VersionedSource()
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": transport}, ulysses_size=2,
+                        ring_size=2)
+    try:
+        assert world.copies.transport == transport and len(world.workers) == 3
+        first = run(world, model, args, source)
+        assert (first - reference(model, args)).abs().max().item() <= 1e-5
+        layer = model.blocks[1].cross_attn.o
+        layer.weight = torch.nn.Parameter(layer.weight.detach() * 1.5, requires_grad=False)  # what a LoRA does
+        source.number += 1
+        again = run(world, model, args, source)
+        err = (again - reference(model, args)).abs().max().item()
+        print(f"\n{transport}: after the re-send max abs err {err:.2e}; "
+              f"first send {world.copies.last_send['seconds']:.3f}s")
+        assert err <= 1e-5 and (again - first).abs().max().item() > 1e-3
+        held = world.holdings(model)
+        expected = {name: tensor_digest(t) for name, t in named_tensors(model)}
+        assert all(held[rank] == expected for rank in range(4))
+    finally:
+        world.shutdown("test done")
+
+
+def test_tp2_x_ulysses2_rank0_holds_its_shard_and_workers_exactly_their_slices(comfyui_path, monkeypatch):
+    model = build_wan_model(TinyWan(dim=512, ffn_dim=1024, num_layers=2), seed=5, text_dim=TEXT_DIM)
+    args = wan_inputs(seed=1)
+    plan = find_plan(model)
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": "process_group"}, ulysses_size=2,
+                        tp_size=2)
+    try:
+        out = run(world, model, args)
+        err = (out - reference(model, args)).abs().max().item()
+        full = sum(t.numel() * t.element_size() for _, t in named_tensors(model))
+        rank0 = world.copies.run_module(model)
+        held0 = sum(t.numel() * t.element_size() for _, t in named_tensors(rank0))
+        print(f"\nulysses 2 x tp 2 by process group: max abs err {err:.2e}; rank 0 holds {held0 / full:.3f} of "
+              "the weights")
+        assert err <= 1e-4
+        assert rank0 is not model and held0 == shard_nbytes(model, plan.tensor_parallel, 2) <= 0.55 * full
+        held = world.holdings(model)
+        for rank in range(4):
+            coord = world.layout.coords(rank)["tp"]
+            expected = {name: tensor_digest(t)
+                        for name, t in named_tensors(build_shard(model, plan.tensor_parallel, coord, 2))}
+            assert held[rank] == expected, f"rank {rank} (tp {coord}) does not hold build_shard's slices"
+    finally:
+        world.shutdown("test done")
+
+
+def test_staged_point_to_point_equals_the_direct_path(comfyui_path, monkeypatch):
+    """Ring attention's K/V blocks and the VAE's halo rows through host buffers (gloo on CUDA)
+    give bit for bit what the direct transfers give."""
+    from parallel_runtime.vae_parallel import check_vae
+    from vae_cases import VAES
+
+    model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=6, text_dim=TEXT_DIM)
+    args = wan_inputs(seed=2)
+    vae, latent, _ = VAES["kl_sd"]()
+    results = {}
+    for staged in ("0", "1"):
+        world = start_world(comfyui_path, monkeypatch, {"PARALLEL_FORCE_STAGING": staged}, ring_size=2)
+        try:
+            ring = run(world, model, args)
+            with torch.inference_mode():
+                decoded = world.forward(vae, check_vae(vae), type(vae).decode.__get__(vae), (latent,), {})
+            results[staged] = (ring, decoded)
+        finally:
+            world.shutdown("test done")
+    (ring_direct, vae_direct), (ring_staged, vae_staged) = results["0"], results["1"]
+    assert (ring_direct - reference(model, args)).abs().max().item() <= 1e-5
+    assert torch.equal(ring_staged, ring_direct) and torch.equal(vae_staged, vae_direct)
