@@ -132,6 +132,16 @@ class ShardedPatcherMixin:
         note_patcher(self)
         return out
 
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False, **kwargs):
+        sharding = self._sharding()
+        if sharding is not None and sharding.keep_off_device and not self.model.model_lowvram \
+                and self.model.model_loaded_weight_memory > 0:
+            # A clone that runs unsharded loaded the whole model (our own load always leaves
+            # model_lowvram set): ComfyUI would take it for loaded and skip ``load``, leaving the
+            # full weights on the device. Have it load again, through ours.
+            self.model.model_lowvram = True
+        return super().partially_load(device_to, extra_memory, force_patch_weights, **kwargs)
+
     def detach(self, unpatch_all=True):
         out = super().detach(unpatch_all)
         sharding = self._sharding()

@@ -144,6 +144,14 @@ def test_tp_keeps_the_full_weights_out_of_comfyuis_loading_and_an_unload_frees_e
 
         again = sample(sharded)  # loaded and sent again
         assert (again - reference).abs().max().item() <= TOL
+
+        # The unsharded twin loads the whole model onto the device (same patches: ComfyUI keeps it
+        # merged when the TP clone comes back); the TP clone must still leave it out.
+        assert (sample(lora) - reference).abs().max().item() == 0
+        assert lora.model.model_loaded_weight_memory == full
+        after_twin = sample(sharded)
+        assert (after_twin - reference).abs().max().item() <= TOL
+        assert sharded.model.model_loaded_weight_memory == sharded.model_size() <= 0.55 * full
     finally:
         mm.unload_all_models()
         runtime.shutdown("test done")
