@@ -99,6 +99,8 @@ def allocate(entries: list[Entry], tp_size: int, device) -> list[torch.Tensor]:
 class ProcessGroupChannel:
     """Buckets through the world's process group (rank 0 is the source)."""
 
+    shares_buckets = False  # a collective only reads the source bucket
+
     def send_broadcast(self, bucket: torch.Tensor) -> None:
         comm.broadcast(bucket, src=0)
 
@@ -125,6 +127,8 @@ class HandleChannel:
 
     Rank 0 side: ``send(rank, tensor)`` delivers a handle, ``confirm()`` waits until every
     worker copied the bucket (so rank 0 may free it). Worker side: ``conn`` to rank 0."""
+
+    shares_buckets = True  # a handle exposes the bucket's whole storage: never a tensor of the model's
 
     def __init__(self, send=None, confirm=None, conn=None):
         self._send, self._confirm, self._conn = send, confirm, conn
@@ -169,7 +173,12 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
                 pieces.append(_bytes(w))
                 if kept is not None:
                     kept[i] = w
-            channel.send_broadcast(torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone())
+            if len(pieces) > 1:
+                bucket = torch.cat(pieces)
+            else:
+                bucket = pieces[0].clone() if channel.shares_buckets else pieces[0]
+            channel.send_broadcast(bucket)
+            del bucket, pieces
             continue
         per_coord: list[list[torch.Tensor]] = [[] for _ in range(tp_size)]
         for i in members:
