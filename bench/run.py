@@ -25,6 +25,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.append(str(REPO))
 sys.path.append(str(BENCH))
+sys.path.append(str(REPO / "tools"))  # tiny_models: builders that fit the installed ComfyUI
 
 
 def _import_comfy(device: str) -> None:

@@ -46,8 +46,9 @@ def build_flux(shape: FluxShape, seed: int = 0, batch: int = 1, device="cpu"):
     """A ComfyUI Flux (``comfy.ldm.flux.model.Flux``) and inputs for its ``_forward``."""
     import comfy.ops
     from comfy.ldm.flux.model import Flux
+    from tiny_models import make
 
-    model = Flux(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=shape.vec_dim,
+    model = make(Flux, image_model="flux", in_channels=16, out_channels=16, vec_in_dim=shape.vec_dim,
                  context_in_dim=shape.context_dim, hidden_size=shape.hidden, mlp_ratio=4.0, num_heads=shape.heads,
                  depth=shape.double, depth_single_blocks=shape.single, axes_dim=shape.axes_dim, theta=10000,
                  patch_size=2, qkv_bias=True, guidance_embed=True, dtype=torch.float32, device="cpu",

@@ -14,7 +14,7 @@ from ..parallel_runtime.comfy_wrappers import DIFFUSION_MODEL, OUTER_SAMPLE, WRA
 from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import find_plan, supported_models_text
 from ..parallel_runtime.runtime import RUNTIME
-from ..parallel_runtime.tensor_parallel import shard_nbytes, valid_sizes
+from ..parallel_runtime.tensor_parallel import quantized_layers, quantized_message, shard_nbytes, valid_sizes
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Transformer"
@@ -27,6 +27,7 @@ def check_model(diffusion_model, config: ParallelConfig):
     if plan is None:
         raise ConfigError(f"{NODE}: the model class {cls.__module__}.{cls.__qualname__} is not supported; "
                           f"supported: {supported_models_text()}")
+    plan = plan.for_module(diffusion_model)
     for dim, size in config.mesh_sizes.items():
         if size > 1 and dim not in plan.supports:
             raise ConfigError(f"{NODE}: {plan.title} supports {', '.join(plan.supports)} here, not "
@@ -34,6 +35,11 @@ def check_model(diffusion_model, config: ParallelConfig):
     heads = plan.heads(diffusion_model)
     tp = config.tp_size
     if tp > 1:
+        quantized = quantized_layers(diffusion_model, plan.tensor_parallel)
+        if quantized:
+            (name, layout), more = quantized[0], len(quantized) - 1
+            raise ConfigError(f"{NODE}: " + quantized_message(f"this {plan.title} model's layer {name}"
+                                                              + (f" (and {more} more)" if more else ""), layout))
         valid = valid_sizes(diffusion_model, plan.tensor_parallel, heads)
         if tp not in valid:
             sizes = ", ".join(f"{name} {int(_attr(diffusion_model, path))}"

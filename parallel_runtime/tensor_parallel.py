@@ -97,12 +97,30 @@ def _segment_sizes(spec, parent, module, total: int) -> list[int]:
     return sizes
 
 
+def quantized_layout(t) -> str | None:
+    """The name of ComfyUI's quantized layout ``t`` is stored in (QuantizedTensor), or None."""
+    data = t.data if isinstance(t, torch.nn.Parameter) else t
+    if type(data).__name__ != "QuantizedTensor":
+        return None
+    return str(getattr(data, "_layout_cls", None) or getattr(data, "_layout_type", None) or "QuantizedTensor")
+
+
+def quantized_message(what: str, layout: str) -> str:
+    return (f"{what} is stored in ComfyUI's quantized layout {layout}, which this version cannot cut for tensor "
+            "parallelism (ComfyUI loads fp8 / NVFP4 checkpoints this way; since 0.33 scaled fp8 files too). Use "
+            "tp_size 1 (Ulysses, Ring and CFG work with it), or a bf16 / fp16 checkpoint of this model for TP")
+
+
 def _refuse_quantized(t: torch.Tensor, what: str) -> None:
-    if type(t).__name__ == "QuantizedTensor" or (isinstance(t, torch.nn.Parameter) and
-                                                 type(t.data).__name__ == "QuantizedTensor"):
-        raise TensorParallelError(f"{what} is stored in one of ComfyUI's quantized layouts (QuantizedTensor), which "
-                                  "this version cannot slice without dequantizing the whole layer; use a scaled fp8 "
-                                  "or a full-precision checkpoint, or tp_size 1")
+    layout = quantized_layout(t)
+    if layout is not None:
+        raise TensorParallelError(quantized_message(what, layout))
+
+
+def quantized_layers(root: torch.nn.Module, plan: "TensorParallelPlan") -> list[tuple[str, str]]:
+    """(layer, layout) of the planned layers whose weight is quantized: TP cannot cut them."""
+    return [(name, layout) for name, mod, _ in layer_specs(root, plan)
+            for layout in [quantized_layout(getattr(mod, "weight", None))] if layout is not None]
 
 
 def _parent(root: torch.nn.Module, name: str) -> torch.nn.Module:

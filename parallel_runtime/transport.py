@@ -83,8 +83,7 @@ def _local_class_reduction(cls: type):
     module = importlib.import_module(cls.__module__)
     factory = getattr(module, factory_name, None)
     if factory is None or "<locals>" in path:
-        raise pickle.PicklingError(f"cannot send the layer class {cls.__module__}.{cls.__qualname__} to the other "
-                                   "ranks: it is defined inside a function this runtime cannot call again")
+        return _class_by_value(cls)
     found: dict = {}
     for klass in cls.__mro__:
         if not klass.__qualname__.startswith(factory_name + ".<locals>."):
@@ -108,9 +107,8 @@ def _local_class_reduction(cls: type):
                 found.setdefault(name[1:], attr)
     kwargs = {}
     for param in inspect.signature(factory).parameters.values():
-        if param.name not in found:
-            raise pickle.PicklingError(f"cannot send the layer class {cls.__qualname__} to the other ranks: the "
-                                       f"argument '{param.name}' of {cls.__module__}.{factory_name} is not recoverable")
+        if param.name not in found:  # a factory that also makes the instance (Gemma's embedding in 0.33)
+            return _class_by_value(cls)
         kwargs[param.name] = found[param.name]
     made = (functools.partial(factory, **kwargs), ())
     if not inner:
@@ -120,6 +118,26 @@ def _local_class_reduction(cls: type):
     for part in inner.split("."):
         obj = (getattr, (_Deferred(obj), part))
     return obj
+
+
+def _class_by_value(cls: type):
+    """Rebuild a local class from its bases and namespace (methods by code, see below). The
+    methods are set after the class exists: a method calling ``super()`` holds the class itself."""
+    if type(cls) is not type and not issubclass(type(cls), type(torch.nn.Module)):
+        raise pickle.PicklingError(f"cannot send the layer class {cls.__module__}.{cls.__qualname__} to the other "
+                                   f"ranks: its metaclass {type(cls).__qualname__} cannot be rebuilt")
+    skip = {"__dict__", "__weakref__", "__module__", "__qualname__"}
+    members = {k: v for k, v in vars(cls).items() if k not in skip}
+    return (type(cls), (cls.__name__, cls.__bases__, {"__module__": cls.__module__, "__qualname__": cls.__qualname__}),
+            members, None, None, _set_members)
+
+
+def _set_members(cls: type, members: dict) -> type:
+    """Pickle's state setter for ``_class_by_value`` (its default would call a ``__setstate__``
+    the class defines for its instances)."""
+    for name, value in members.items():
+        setattr(cls, name, value)
+    return cls
 
 
 def _function_by_code(fn: types.FunctionType):

@@ -153,7 +153,7 @@ class _Server:
 
         self._drop(key)  # release the old weights first
         module = transport.unpack_module(data, self.device)
-        self.models[key] = (module, plan_for_family(family))
+        self.models[key] = (module, plan_for_family(family).for_module(module))
         self._loaded(key)
 
     def on_load_stream(self, key: str, family: str, data: bytes, wire: list, tp: tuple, channel: str,
@@ -165,11 +165,11 @@ class _Server:
         from parallel_runtime.tensor_parallel import finish_shard
 
         self._drop(key)  # free the old copy before the new one takes device memory
-        plan = plan_for_family(family)
         tp_rank, tp_size = tp
         entries = [weight_stream.Entry.from_wire(item) for item in wire]
         slots = weight_stream.allocate(entries, tp_size, self.device)
         module = transport.unpack_skeleton(data, slots)
+        plan = plan_for_family(family).for_module(module)
         link = weight_stream.ProcessGroupChannel() if channel == "process_group" else \
             weight_stream.HandleChannel(conn=self.conn)
         weight_stream.receive(entries, slots, link, self.device, tp_size, bucket_bytes)

@@ -443,6 +443,7 @@ class World:
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
         t0 = time.perf_counter()
+        plan = plan.for_module(module)
         method_name = _method_name(method)
         bound = inspect.signature(_method_of(module, method_name)).bind(*args, **kwargs)
         check_supported_arguments(plan, bound)

@@ -10,7 +10,7 @@ import torch
 
 import comfy.ops
 
-from tiny_models import TinyWan, build_wan_model
+from tiny_models import TinyWan, build_wan_model, make
 
 OPS = comfy.ops.disable_weight_init
 
@@ -40,7 +40,7 @@ def flux1(heads=2, **extra):
     from comfy.ldm.flux.model import Flux
 
     axes = [16, 56, 56] if heads == 2 else [16, 24, 24]
-    return seeded(Flux(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
+    return seeded(make(Flux, image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
                        hidden_size=256, mlp_ratio=4.0, num_heads=heads, depth=2, depth_single_blocks=2,
                        axes_dim=axes, theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True,
                        dtype=torch.float32, device="cpu", operations=OPS, **extra), seed=20)
@@ -106,7 +106,7 @@ def flux2_case(heads, axes_dim, seed):
     """A two-head or four-head Flux.2 with a 3 x 3 reference image after 35 image tokens."""
     from comfy.ldm.flux.model import Flux
 
-    model = seeded(Flux(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
+    model = seeded(make(Flux, image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
                         hidden_size=256, mlp_ratio=3.0, num_heads=heads, depth=1, depth_single_blocks=2,
                         axes_dim=axes_dim, theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True,
                         global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
@@ -125,7 +125,7 @@ def flux2():
 def chroma():
     from comfy.ldm.chroma.model import Chroma
 
-    model = seeded(Chroma(image_model="chroma", in_channels=64, out_channels=64, context_in_dim=64, hidden_size=256,
+    model = seeded(make(Chroma, image_model="chroma", in_channels=64, out_channels=64, context_in_dim=64, hidden_size=256,
                           mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=[16, 56, 56],
                           theta=10000, patch_size=2, qkv_bias=True, in_dim=64, out_dim=256, hidden_dim=128,
                           n_layers=2, dtype=torch.float32, device="cpu", operations=OPS), seed=50)
@@ -186,7 +186,7 @@ def hunyuan_case(heads, axes_dim, seed):
     """HunyuanVideo with 3 x 3 x 5 = 45 video tokens and 10 text tokens."""
     from comfy.ldm.hunyuan_video.model import HunyuanVideo
 
-    model = seeded(HunyuanVideo(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768,
+    model = seeded(make(HunyuanVideo, image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768,
                                 context_in_dim=64, hidden_size=256, mlp_ratio=4.0, num_heads=heads, depth=1,
                                 depth_single_blocks=2, axes_dim=axes_dim, theta=256, patch_size=[1, 2, 2],
                                 qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
@@ -235,11 +235,22 @@ def ltxv_per_token():
 
 @case("ltxv_keyframe")
 def ltxv_keyframe():
-    """A guide frame appended after the video, its coordinates given by keyframe_idxs."""
+    """A guide frame appended after the video, its coordinates given by keyframe_idxs (ComfyUI's
+    guide nodes give a denoise mask with it: 0.33 needs one; every token kept)."""
+    from comfy.ldm.lightricks.symmetric_patchifier import latent_to_pixel_coords
+
+    model = ltxv_model()
     x = randn(2, 128, 4, 5, 7, seed=96)  # 3 frames + 1 guide frame = 140 tokens
-    idx = torch.randint(0, 64, (2, 3, 35), generator=torch.Generator().manual_seed(97)).float()
-    return ltxv_model(), (x, torch.tensor([0.5, 0.7]), randn(2, 12, 64, seed=98), None), \
-        {"frame_rate": 25, "keyframe_idxs": idx}
+    # The guide's coordinates as ComfyUI's guide nodes compute them: the pixel coordinates of a
+    # frame placed at latent frame 2 (their layout differs between ComfyUI releases).
+    _, coords = model.patchifier.patchify(x[:, :, :1])
+    idx = latent_to_pixel_coords(coords, model.vae_scale_factors, causal_fix=model.causal_temporal_positioning)
+    idx = idx.clone()
+    idx[:, 0] += 2 * model.vae_scale_factors[0]
+    mask = torch.ones(2, 1, 4, 5, 7)
+    t = torch.tensor([0.5, 0.7]).view(2, 1, 1).expand(2, 140, 1).contiguous()
+    return model, (x, t, randn(2, 12, 64, seed=98), None), \
+        {"frame_rate": 25, "keyframe_idxs": idx.float(), "denoise_mask": mask}
 
 
 # Four attention heads, so that TP 2 x Ulysses 2 has a head per rank (tests/test_tensor_parallel.py).

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from comfy_server import PromptFailed
+from tiny_models import saved_dataset
 from workflows import remove_passthrough, text_encoder_prompt
 
 pytestmark = pytest.mark.comfy_server
@@ -12,7 +13,7 @@ TOL = 1e-5
 
 def conditioning(server, graph, folder) -> tuple[torch.Tensor, dict]:
     server.run(graph, timeout=300)
-    shard = torch.load(server.base_dir / "output" / folder / "shard_0000.pkl", weights_only=True)
+    shard = torch.load(saved_dataset(server.base_dir, folder) / "shard_0000.pkl", weights_only=True)
     (((cond, extra),),) = shard["conditioning"]
     return cond, extra
 

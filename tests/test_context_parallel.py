@@ -36,9 +36,21 @@ def run(world, model, args, kwargs, **kw):
                              **kw)
 
 
+def refused_input(model, kwargs) -> str | None:
+    """An input of this call that the plan, as it reads this model, declines (on some ComfyUI
+    releases a model cuts absolute token ranges a chunk cannot follow): it must say so."""
+    plan = find_plan(model).for_module(model)
+    return next((name for name in plan.context_parallel.unsupported if kwargs.get(name) is not None), None)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_single_process(world, built, case):
     model, args, kwargs, ref = built(case)
+    refused = refused_input(model, kwargs)
+    if refused:
+        with pytest.raises(RuntimeError, match=f"'{refused}' is not supported with context parallelism"):
+            run(world, model, args, kwargs)
+        return
     out = run(world, model, args, kwargs)
     err = (out - ref).abs().max().item()
     rel = err / ref.abs().max().item()
@@ -51,6 +63,11 @@ def test_matches_single_process(world, built, case):
 def test_attention_really_crosses_ranks(world, built, case):
     """With communication in attention switched off the result must be wrong."""
     model, args, kwargs, ref = built(case)
+    refused = refused_input(model, kwargs)
+    if refused:  # refused before any rank computes, communication or not
+        with pytest.raises(RuntimeError, match=f"'{refused}' is not supported with context parallelism"):
+            run(world, model, args, kwargs, distributed_attention=False)
+        return
     out = run(world, model, args, kwargs, distributed_attention=False)
     rel = (out - ref).abs().max().item() / ref.abs().max().item()
     if world.config.ring_size == 1 and world.config.ulysses_size == 1:

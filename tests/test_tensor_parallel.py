@@ -85,6 +85,10 @@ def test_scaled_fp8_weights_shard_in_fp8_with_their_scales(runtime):
     import comfy.ldm.wan.model
     import comfy.ops
 
+    if not hasattr(comfy.ops, "scaled_fp8_ops"):
+        pytest.skip("this ComfyUI (0.33 on) loads scaled fp8 files as QuantizedTensor, which TP refuses by name "
+                    "(tests/test_node_refusals.py); its scaled_fp8_ops layer classes are gone")
+
     fp8 = torch.float8_e4m3fn
     ops = comfy.ops.scaled_fp8_ops(override_dtype=fp8)
     model = comfy.ldm.wan.model.WanModel(model_type="t2v", dim=256, ffn_dim=512, num_heads=4, num_layers=2,

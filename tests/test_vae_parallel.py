@@ -41,7 +41,7 @@ def built():
                     sizes = []
                     convs = [m for m in vae.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
                     for m in convs:  # where the parallel run measures: the input the convolution itself sees
-                        m._conv_forward = (lambda orig: lambda t, *a: sizes.append(t.numel()) or orig(t, *a))(
+                        m._conv_forward = (lambda orig: lambda t, *a, **k: sizes.append(t.numel()) or orig(t, *a, **k))(
                             m._conv_forward)
                     try:
                         ref = getattr(vae, method)(inp)

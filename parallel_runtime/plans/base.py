@@ -52,7 +52,10 @@ class Split:
     the input through when it is not full length (it was cut already, e.g. a stream
     a block returns). ``prefix``: the input covers the first N <= total tokens of the
     stream (ControlNet residuals cover the main image, not reference tokens after
-    it); each rank gets the part inside its chunk, unpadded when N < total.
+    it); each rank gets the part inside its chunk, unpadded when N < total. ``item``: the
+    input is a tuple and its element ``item`` is cut (LTXV's RoPE became ``(matrix, split)`` in
+    ComfyUI 0.33). A spec with ``item`` applies only to a tuple, one without only to a tensor,
+    so a plan can name both forms where ComfyUI releases differ.
     """
 
     arg: str
@@ -63,6 +66,7 @@ class Split:
     expand: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     when_full_length: bool = False
     prefix: bool = False
+    item: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,12 @@ class ModelPlan:
     # "vae": spatial bands over every rank of the world (parallel_runtime/vae_parallel.py).
     kind: str = "transformer"
     vae: object = None  # the VAE's band plan (plans/vae.py), for kind "vae"
+    # Where ComfyUI releases build the family differently (HunyuanVideo's joint order): the
+    # plan for this very module, chosen from its own structure, so every rank chooses alike.
+    variant: "Callable[[torch.nn.Module], ModelPlan] | None" = None
+
+    def for_module(self, module: torch.nn.Module) -> "ModelPlan":
+        return self if self.variant is None else self.variant(module)
 
     @property
     def supports(self) -> tuple[str, ...]:
@@ -283,18 +293,31 @@ def _position_of(module: torch.nn.Module, arg: str) -> int | None:
     return table.get(arg)
 
 
+def _cut_value(ctx: ForwardContext, value, spec: Split, site: str):
+    """``value`` with its tokens cut per ``spec``, or None when the spec does not apply to it."""
+    if spec.item is None:
+        return ctx.split(value, spec, site) if isinstance(value, torch.Tensor) else None
+    if isinstance(value, tuple) and len(value) > spec.item and isinstance(value[spec.item], torch.Tensor):
+        items = list(value)
+        items[spec.item] = ctx.split(items[spec.item], spec, site)
+        return tuple(items)
+    return None
+
+
 def _split_hook(ctx: ForwardContext, splits: tuple[Split, ...], site: str):
     def hook(module, args, kwargs):
         args = list(args)
         for spec in splits:
             if spec.arg in kwargs:
-                value = kwargs[spec.arg]
-                if isinstance(value, torch.Tensor):
-                    kwargs[spec.arg] = ctx.split(value, spec, site)
+                cut = _cut_value(ctx, kwargs[spec.arg], spec, site)
+                if cut is not None:
+                    kwargs[spec.arg] = cut
                 continue
             pos = _position_of(module, spec.arg)
-            if pos is not None and pos < len(args) and isinstance(args[pos], torch.Tensor):
-                args[pos] = ctx.split(args[pos], spec, site)
+            if pos is not None and pos < len(args):
+                cut = _cut_value(ctx, args[pos], spec, site)
+                if cut is not None:
+                    args[pos] = cut
         return tuple(args), kwargs
     return hook
 

@@ -3,42 +3,66 @@ I2V, 1.5 and HunyuanImage 2.1 variants; the T2V model is what the tests cover).
 
 - The text first goes through the token refiner (attention over text only): it
   stays whole on every rank. Streams ``img`` and ``txt`` are cut where they enter
-  ``double_blocks.0``; ``pe`` covers ``[img, txt]`` on dim 2.
-- Attention is joint over ``[img, txt]`` (image first) in both block kinds.
-- After the single blocks the model slices the image out with the *global* image
-  length, so the joint sequence is gathered at the last single block.
+  ``double_blocks.0``; ``pe`` covers the joint sequence on dim 2.
+- Attention is joint over ``[img, txt]`` in both block kinds up to ComfyUI 0.3.x (its
+  blocks carry ``flipped_img_txt``), over ``[txt, img]`` from 0.33 on (RoPE, the joint
+  sequence and the final slice too): the plan reads the order off the model's blocks.
+- After the single blocks, image first (0.3.x), the model slices the image out with the
+  *global* image length, so the joint sequence is gathered at the last single block. Text
+  first (0.33), it slices with the *local* text length, like Flux: ``final_layer`` sees
+  this rank's image chunk and its output is gathered; reference latents are then cut off
+  by their absolute length, which a chunk cannot do (refused there).
 - Not yet: ControlNet residuals (added with the global image length inside the
   single-block loop) and the I2V "guiding frame" modulation (absolute token ranges).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
 from .flux import flux_blocks_tensor_parallel
 
-JOINT = ("img", "txt")
-ROPE = Split("pe", dim=2, segments=JOINT)
 
-PLAN = ModelPlan(
-    family="hunyuan_video",
-    title="HunyuanVideo",
-    classes=("comfy.ldm.hunyuan_video.model.HunyuanVideo",),
-    heads_attr="num_heads",
-    context_parallel=ContextParallelPlan(
-        inputs={
-            "double_blocks.0": (Split("img", dim=1, stream="img", starts_stream=True),
-                                Split("txt", dim=1, stream="txt", starts_stream=True)),
-            "double_blocks.*": (ROPE,),
-            "single_blocks.*": (ROPE,),
-        },
-        outputs={"single_blocks.-1": Gather(dim=1, segments=JOINT)},
-        attention={"double_blocks.*": JOINT, "single_blocks.*": JOINT},
-        unsupported={
-            "control": "ControlNet residuals are added with the global image length inside the single blocks",
-            "guiding_frame_index": "the I2V guiding-frame modulation addresses absolute token ranges",
-        },
-    ),
-    notes="HunyuanVideo T2V (reference latents too); not ControlNet or the I2V guiding frame.",
-    # Flux's block classes: the same tensor-parallel layout; the patch embedding (a convolution)
-    # and the text token refiner stay whole.
-    tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True, embeddings=False),
-)
+
+def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
+    rope = Split("pe", dim=2, segments=joint)
+    return ModelPlan(
+        family="hunyuan_video",
+        title="HunyuanVideo",
+        classes=("comfy.ldm.hunyuan_video.model.HunyuanVideo",),
+        heads_attr="num_heads",
+        context_parallel=ContextParallelPlan(
+            inputs={
+                "double_blocks.0": (Split("img", dim=1, stream="img", starts_stream=True),
+                                    Split("txt", dim=1, stream="txt", starts_stream=True)),
+                "double_blocks.*": (rope,),
+                "single_blocks.*": (rope,),
+            },
+            outputs=gather,
+            attention={"double_blocks.*": joint, "single_blocks.*": joint},
+            unsupported={
+                "control": "ControlNet residuals are added with the global image length inside the single blocks",
+                "guiding_frame_index": "the I2V guiding-frame modulation addresses absolute token ranges",
+                **unsupported,
+            },
+        ),
+        notes="HunyuanVideo T2V (reference latents too); not ControlNet or the I2V guiding frame.",
+        # Flux's block classes: the same tensor-parallel layout; the patch embedding (a convolution)
+        # and the text token refiner stay whole.
+        tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True, embeddings=False),
+    )
+
+
+# ComfyUI up to 0.3.x: blocks built with flipped_img_txt.
+IMAGE_FIRST = _plan(("img", "txt"), {"single_blocks.-1": Gather(dim=1, segments=("img", "txt"))}, {})
+# ComfyUI 0.33 on: no flag, text first like Flux.
+TEXT_FIRST = _plan(("txt", "img"), {"final_layer": Gather(dim=1, stream="img")},
+                   {"ref_latent": "after the blocks ComfyUI 0.33 cuts the reference tokens off by their absolute count"})
+
+
+def _joint_order(model) -> ModelPlan:
+    flipped = len(model.double_blocks) and getattr(model.double_blocks[0], "flipped_img_txt", False)
+    return IMAGE_FIRST if flipped else TEXT_FIRST
+
+
+PLAN = dataclasses.replace(IMAGE_FIRST, variant=_joint_order)

@@ -148,10 +148,17 @@ _WAN_COMMON = (
 )
 
 
+def _causal_rows(conv) -> tuple[int, int]:
+    pad = conv._padding
+    return (int(pad[2]), int(pad[3])) if isinstance(pad, (tuple, list)) else (0, 0)
+
+
 def _wan_padded(resample: str) -> tuple[PaddedConv, ...]:
     return (
-        # Causal conv: pads rows itself with F.pad(x, self._padding) (left, right, top, bottom, front, back).
-        PaddedConv(f"{_WAN}.CausalConv3d", "", lambda m: (int(m._padding[2]), int(m._padding[3]))),
+        # Causal conv: up to ComfyUI 0.3.x it pads rows itself with F.pad(x, self._padding) (left,
+        # right, top, bottom, front, back); from 0.33 ``_padding`` is the time padding alone and
+        # the conv pads the rows.
+        PaddedConv(f"{_WAN}.CausalConv3d", "", _causal_rows),
         # Down-sampling: ZeroPad2d((0, 1, 0, 1)) then a stride-2 conv (up-sampling has no pad layer).
         PaddedConv(resample, "resample.1", lambda m: _zero_pad_rows(m.resample[0])),
     )
