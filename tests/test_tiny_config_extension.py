@@ -33,7 +33,8 @@ def extension():
 def test_stock_comfyui_refuses_the_tiny_flux2(tiny_flux2):
     import comfy.sd
 
-    with pytest.raises(ValueError, match="divisible by num_heads 48"):
+    # 0.3.75 stops at the head count it fixes, 0.33 at the first weight of the wrong size.
+    with pytest.raises((ValueError, RuntimeError), match="divisible by num_heads 48|size mismatch for double_blocks"):
         comfy.sd.load_diffusion_model(str(tiny_flux2))
 
 
