@@ -12,7 +12,8 @@ from comfy_api.latest import io
 from ..parallel_runtime.comfy_patcher import Sharding, sharded_patcher
 from ..parallel_runtime.comfy_wrappers import DIFFUSION_MODEL, OUTER_SAMPLE, WRAPPER_KEY, ShardedForward, ShardedRun
 from ..parallel_runtime.config import ConfigError, ParallelConfig
-from ..parallel_runtime.plans import find_plan, supported_models_text
+from ..parallel_runtime.plans import check_plan_matches, find_plan, supported_models_text
+from ..parallel_runtime.plans.base import PlanMismatch
 from ..parallel_runtime.runtime import RUNTIME
 from ..parallel_runtime.tensor_parallel import quantized_layers, quantized_message, shard_nbytes, valid_sizes
 from .parallel_config import ParallelConfigType
@@ -28,6 +29,10 @@ def check_model(diffusion_model, config: ParallelConfig):
         raise ConfigError(f"{NODE}: the model class {cls.__module__}.{cls.__qualname__} is not supported; "
                           f"supported: {supported_models_text()}")
     plan = plan.for_module(diffusion_model)
+    try:
+        check_plan_matches(diffusion_model, plan)  # built the way the plan was written for, or refused now
+    except PlanMismatch as exc:
+        raise ConfigError(f"{NODE}: {exc}") from exc
     for dim, size in config.mesh_sizes.items():
         if size > 1 and dim not in plan.supports:
             raise ConfigError(f"{NODE}: {plan.title} supports {', '.join(plan.supports)} here, not "

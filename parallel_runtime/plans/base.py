@@ -37,6 +37,21 @@ from ..sequence import SeqShard, gather_chunks, take_chunk
 
 OVERRIDE_KEY = "optimized_attention_override"
 MAIN_STREAM = "x"
+ALWAYS_PASSED = frozenset({"transformer_options"})
+
+
+class PlanMismatch(RuntimeError):
+    """The model is not built the way its plan was written for (another ComfyUI release)."""
+
+
+def comfyui_release() -> str:
+    """The running ComfyUI's version, for messages."""
+    try:
+        import comfyui_version
+
+        return f"ComfyUI {comfyui_version.__version__}"
+    except Exception:  # an unusual install
+        return "this ComfyUI"
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,10 @@ class ContextParallelPlan:
     call_inputs: tuple[Split, ...] = ()
     # Arguments this plan cannot shard yet: forward argument -> why. Refused before any work.
     unsupported: dict[str, str] = field(default_factory=dict)
+    # Arguments the hooked modules (blocks, attention sites, gathered layers) receive that do not
+    # depend on the token split and pass on unchanged. Any other argument that arrives with a value
+    # means ComfyUI changed the model since the plan was written: refused, named (never computed).
+    passed: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -279,18 +298,48 @@ def check_supported_arguments(plan: "ModelPlan", bound) -> None:
             raise RuntimeError(f"{plan.title}: '{name}' is not supported with context parallelism yet ({why})")
 
 
-_POSITIONS: "weakref.WeakKeyDictionary[type, dict[str, int]]" = weakref.WeakKeyDictionary()
+_SIGNATURES: "weakref.WeakKeyDictionary[type, tuple[list[str], bool, set[str]]]" = weakref.WeakKeyDictionary()
+
+
+def _signature(module: torch.nn.Module) -> tuple[list[str], bool]:
+    """(positional parameters of ``forward`` after self, whether it takes **kwargs, every parameter name)."""
+    cls = type(module)
+    found = _SIGNATURES.get(cls)
+    if found is None:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # drop self
+        positional = [p.name for p in params
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        named = {p.name for p in params if p.kind != inspect.Parameter.VAR_POSITIONAL}
+        var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+        found = _SIGNATURES[cls] = (positional, var_kw, named)
+    return found
 
 
 def _position_of(module: torch.nn.Module, arg: str) -> int | None:
-    cls = type(module)
-    table = _POSITIONS.get(cls)
-    if table is None:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # drop self
-        table = {p.name: i for i, p in enumerate(params)
-                 if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
-        _POSITIONS[cls] = table
-    return table.get(arg)
+    positional = _signature(module)[0]
+    return positional.index(arg) if arg in positional else None
+
+
+def _has_value(value) -> bool:
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, (list, tuple, dict)) and not value)
+
+
+def _guard_hook(plan: "ModelPlan", known: frozenset[str], site: str):
+    """Refuse a call that brings an argument the plan does not know (see ``passed``)."""
+    def hook(module, args, kwargs):
+        positional = _signature(module)[0]
+        given = {**dict(zip(positional, args)), **kwargs}
+        unknown = sorted(name for name, value in given.items() if name not in known and _has_value(value))
+        if unknown:
+            raise PlanMismatch(
+                f"{plan.title}: {site} ({type(module).__name__}) was called with {', '.join(map(repr, unknown))}, "
+                f"which the pack's {plan.family} plan does not know how to split across ranks: {comfyui_release()} "
+                "changed this model since the plan was written. Refused rather than computing a wrong result; run "
+                "this model without Shard Transformer on this ComfyUI, or use a pack release that knows it")
+        return None
+    return hook
 
 
 def _cut_value(ctx: ForwardContext, value, spec: Split, site: str):
@@ -376,13 +425,25 @@ def matching_modules(root: torch.nn.Module, pattern: str) -> list[tuple[str, tor
 
 
 def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
-    """Every pattern of the plan must name at least one module: a plan that silently
-    matches nothing would leave attention local-only."""
+    """The model is built the way the plan was written for: every pattern names a module (a
+    plan that silently matched nothing would leave attention local-only), and every argument the
+    plan cuts is still a parameter of the forward it hooks (or a cut would silently not happen)."""
     cp = plan.context_parallel
     for pattern in (*cp.inputs, *cp.outputs, *cp.attention):
         if not matching_modules(root, pattern):
-            raise RuntimeError(f"{plan.title} plan: no module matches '{pattern}' in {type(root).__name__}; "
-                               "this model variant is not covered by the plan")
+            raise PlanMismatch(f"{plan.title} plan: no module matches '{pattern}' in {type(root).__name__} of "
+                               f"{comfyui_release()}; this model variant is not covered by the plan")
+    for pattern, splits in cp.inputs.items():
+        for name, module in matching_modules(root, pattern):
+            _, var_kw, named = _signature(module)
+            missing = [s.arg for s in splits if s.arg not in named and not var_kw]
+            if missing:
+                raise PlanMismatch(
+                    f"{plan.title} plan: {name} ({type(module).__name__}) of {comfyui_release()} takes no "
+                    f"{', '.join(map(repr, sorted(set(missing))))}, which the plan cuts across ranks: this ComfyUI "
+                    "builds the model differently from what the plan was written for. Refused rather than computing "
+                    "a wrong result; run this model without Shard Transformer here, or use a pack release that "
+                    "knows it")
 
 
 @contextlib.contextmanager
@@ -410,6 +471,18 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
                                "not a dict or list of tensors")
     handles = []
     try:
+        # Guards first (they see the arguments as the model passes them), one per hooked module.
+        cut_by: dict[int, set[str]] = {}
+        for pattern, splits in cp.inputs.items():
+            for _, mod in matching_modules(root, pattern):
+                cut_by.setdefault(id(mod), set()).update(s.arg for s in splits)
+        guarded = set()
+        for pattern in (*cp.inputs, *cp.outputs, *cp.attention):
+            for name, mod in matching_modules(root, pattern):
+                if id(mod) not in guarded:
+                    guarded.add(id(mod))
+                    known = frozenset(cut_by.get(id(mod), ())) | cp.passed | ALWAYS_PASSED
+                    handles.append(mod.register_forward_pre_hook(_guard_hook(plan, known, name), with_kwargs=True))
         for pattern, splits in cp.inputs.items():
             for name, mod in matching_modules(root, pattern):
                 handles.append(mod.register_forward_pre_hook(_split_hook(ctx, splits, name), with_kwargs=True))

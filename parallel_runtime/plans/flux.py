@@ -20,6 +20,10 @@ from .base import ContextParallelPlan, Gather, ModelPlan, Split
 
 JOINT = ("txt", "img")
 ROPE = Split("pe", dim=2, segments=JOINT)
+# Block arguments passed on unchanged: the streams (cut once, local ever after) and the modulation
+# vector. Not ``attn_mask`` and ``modulation_dims*``: absolute token ranges (0.33's
+# timestep_zero_index) that a chunk cannot follow, refused when they come with a value.
+FLUX_BLOCK_ARGS = frozenset({"img", "txt", "x", "vec"})
 
 
 def _flux_style_plan(unsupported: dict[str, str]) -> ContextParallelPlan:
@@ -34,6 +38,7 @@ def _flux_style_plan(unsupported: dict[str, str]) -> ContextParallelPlan:
         attention={"double_blocks.*": JOINT, "single_blocks.*": JOINT},
         call_inputs=(Split("control", dim=1, stream="img", prefix=True),),
         unsupported=unsupported,
+        passed=FLUX_BLOCK_ARGS,
     )
 
 

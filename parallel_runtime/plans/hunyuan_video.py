@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
-from .flux import flux_blocks_tensor_parallel
+from .flux import FLUX_BLOCK_ARGS, flux_blocks_tensor_parallel
 
 
 
@@ -45,6 +45,7 @@ def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
                 "guiding_frame_index": "the I2V guiding-frame modulation addresses absolute token ranges",
                 **unsupported,
             },
+            passed=FLUX_BLOCK_ARGS,
         ),
         notes="HunyuanVideo T2V (reference latents too); not ControlNet or the I2V guiding frame.",
         # Flux's block classes: the same tensor-parallel layout; the patch embedding (a convolution)

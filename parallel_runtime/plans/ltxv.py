@@ -26,6 +26,8 @@ PLAN = ModelPlan(
         },
         outputs={"transformer_blocks.-1": Gather(dim=1)},
         attention={"transformer_blocks.*.attn1": ("x",)},
+        # Not 0.33's self_attention_mask, k_pe or prompt_timestep: refused when they carry a value.
+        passed=frozenset({"x", "pe", "context", "attention_mask", "mask"}),
     ),
     notes="Keyframe conditioning and per-token timesteps.",
 )

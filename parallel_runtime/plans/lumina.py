@@ -24,6 +24,8 @@ PLAN = ModelPlan(
         },
         outputs={"final_layer": Gather(dim=1)},
         attention={"layers.*": ("x",)},
+        # Not 0.33's timestep_zero_index (Z-Image Omni): absolute token ranges, refused when given.
+        passed=frozenset({"x", "x_mask", "adaln_input", "c"}),
     ),
     notes="Refiner layers run whole on every rank.",
 )

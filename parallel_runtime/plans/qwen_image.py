@@ -30,6 +30,8 @@ PLAN = ModelPlan(
         outputs={"proj_out": Gather(dim=1, stream="img")},
         attention={"transformer_blocks.*": JOINT},
         call_inputs=(Split("control", dim=1, stream="img", prefix=True),),
+        # Not 0.33's timestep_zero_index (Qwen-Image-Edit-2511): absolute token ranges, refused when given.
+        passed=frozenset({"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb"}),
     ),
     notes="Edit reference images, ControlNet residuals.",
     tensor_parallel=TensorParallelPlan(

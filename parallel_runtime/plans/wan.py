@@ -63,6 +63,8 @@ ENTRY = {"blocks.0": (Split("x", dim=1, starts_stream=True),)}
 ROPE = Split("freqs", dim=1)
 PER_TOKEN_E = Split("e", dim=1, expand=expand_like_repeat_e)
 SELF_ATTENTION = {"blocks.*.self_attn": ("x",)}
+# Passed on unchanged: the stream once cut, the cut RoPE table, the text (cross-attention stays local).
+WAN_BLOCK_ARGS = frozenset({"x", "freqs", "context", "context_img_len"})
 GATHER_HEAD = {"head": Gather(dim=1)}
 
 PLAN = ModelPlan(
@@ -74,6 +76,7 @@ PLAN = ModelPlan(
         inputs={**ENTRY, "blocks.*": (ROPE, PER_TOKEN_E), "head": (PER_TOKEN_E,)},
         outputs=GATHER_HEAD,
         attention=SELF_ATTENTION,
+        passed=WAN_BLOCK_ARGS,
     ),
     notes="T2V, I2V (CLIP image context), the 5B TI2V (per-frame timesteps), Wan 2.2 14B.",
     tensor_parallel=wan_tensor_parallel(),
@@ -90,6 +93,7 @@ VACE = ModelPlan(
                                   ROPE)},
         outputs=GATHER_HEAD,
         attention={**SELF_ATTENTION, "vace_blocks.*.self_attn": ("x",)},
+        passed=WAN_BLOCK_ARGS | {"e"},  # VACE's modulation is one row per sample (the 14B models)
     ),
     notes="Control video stream cut like the video.",
 )
