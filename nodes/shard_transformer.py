@@ -16,6 +16,7 @@ from ..parallel_runtime.plans import check_plan_matches, find_plan, supported_mo
 from ..parallel_runtime.plans.base import PlanMismatch
 from ..parallel_runtime.runtime import RUNTIME
 from ..parallel_runtime.tensor_parallel import quantized_layers, quantized_message, shard_nbytes, valid_sizes
+from ..parallel_runtime.verification import FirstStep, requested
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Transformer"
@@ -93,15 +94,26 @@ class ShardTransformerNode(io.ComfyNode):
             inputs=[
                 io.Model.Input("model"),
                 ParallelConfigType.Input("parallel_config"),
+                io.Boolean.Input("verify_first_step", default=False, optional=True,
+                                 tooltip="Also run the first step of every prompt unsharded on ComfyUI's device and "
+                                         "stop if the results differ beyond rounding. For trying a ComfyUI release "
+                                         "the pack was not tested with; costs one unsharded step per prompt. Not "
+                                         "with tp_size above 1 (the whole model is never on the device then)."),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model, parallel_config: ParallelConfig) -> io.NodeOutput:
+    def execute(cls, model, parallel_config: ParallelConfig, verify_first_step: bool = False) -> io.NodeOutput:
         if not isinstance(parallel_config, ParallelConfig):
             raise ConfigError(f"{NODE}: parallel_config must come from a Parallel Config node, got "
                               f"{type(parallel_config).__name__}")
+        verify = requested(verify_first_step)
+        if verify and parallel_config.tp_size > 1:
+            raise ConfigError(f"{NODE}: verify_first_step=True is not available with tp_size={parallel_config.tp_size}: "
+                              "the whole model is never on the device with tensor parallelism, so there is no "
+                              "unsharded step to compare with. Check with tp_size 1 (Ulysses or Ring run the same "
+                              "plan), then switch it off and TP back on")
         diffusion_model = model.model.diffusion_model
         plan = check_model(diffusion_model, parallel_config)
         if parallel_config.world_size > 1:
@@ -111,6 +123,8 @@ class ShardTransformerNode(io.ComfyNode):
         for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
             patched.remove_wrappers_with_key(kind, WRAPPER_KEY)  # a second Shard Transformer replaces the first
         if parallel_config.world_size > 1:
-            patched.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, ShardedRun(parallel_config))
-            patched.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, ShardedForward(parallel_config, plan.family))
+            first_step = FirstStep(verify) if verify else None
+            patched.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, ShardedRun(parallel_config, first_step))
+            patched.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY,
+                                         ShardedForward(parallel_config, plan.family, first_step))
         return io.NodeOutput(patched)

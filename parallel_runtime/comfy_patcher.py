@@ -159,10 +159,21 @@ class ShardedPatcherMixin:
 _CLASSES: dict[type, type] = {}
 
 
+def plain_clone(patcher):
+    """A clone whose model holds ordinary tensors. ComfyUI 0.33 on NVIDIA loads models for
+    dynamic VRAM (comfy-aimdo): memory-mapped weights fetched per layer, LoRA applied per op,
+    raw device pointers on the layers. None of that can be cut or sent to another rank, so a
+    sharded model takes ComfyUI's own non-dynamic delegate (``clone(disable_dynamic=True)``)."""
+    is_dynamic = getattr(patcher, "is_dynamic", None)
+    if callable(is_dynamic) and is_dynamic():
+        return patcher.clone(disable_dynamic=True)
+    return patcher.clone()
+
+
 def sharded_patcher(patcher, sharding: Sharding):
     """A clone of ``patcher`` that carries ``sharding`` (the previous node's sharding, if any,
     is replaced)."""
-    clone = patcher.clone()
+    clone = plain_clone(patcher)
     base = getattr(type(clone), "_unsharded_class", type(clone))
     sharded = _CLASSES.get(base)
     if sharded is None:

@@ -29,8 +29,9 @@ TORCH_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COM
 
 
 class ShardedRun:
-    def __init__(self, config: ParallelConfig):
+    def __init__(self, config: ParallelConfig, first_step=None):
         self.config = config
+        self.first_step = first_step  # verification.FirstStep, shared with the forward wrapper
 
     def __call__(self, executor, *args, **kwargs):
         guider = executor.class_obj
@@ -45,13 +46,16 @@ class ShardedRun:
             forward_wrappers[WRAPPER_KEY] = forward_wrappers.pop(WRAPPER_KEY)  # last = innermost
         RUNTIME.world_for(self.config)
         note_patcher(guider.model_patcher)  # the weights of this run are this patcher's
+        if self.first_step is not None:
+            self.first_step.begin_run()
         return executor(*args, **kwargs)
 
 
 class ShardedForward:
-    def __init__(self, config: ParallelConfig, family: str):
+    def __init__(self, config: ParallelConfig, family: str, first_step=None):
         self.config = config
         self.family = family
+        self.first_step = first_step
 
     def __call__(self, executor, *args, **kwargs):
         inner = executor.wrappers[executor.idx + 1:]
@@ -62,9 +66,12 @@ class ShardedForward:
                                "forward on rank 0 only; this version cannot run them on every rank")
         module = executor.class_obj
         world = RUNTIME.world_for(self.config)
+        plan = plan_for_family(self.family)
         with interrupts.deferred():  # Cancel lands right after this forward, on every rank alike
-            return world.forward(module, plan_for_family(self.family), executor, args, kwargs,
-                                 source=source_of(module))
+            out = world.forward(module, plan, executor, args, kwargs, source=source_of(module))
+        if self.first_step is not None and self.first_step.pending:  # the same step, unsharded, on rank 0
+            self.first_step.check(plan.title, out, lambda: executor(*args, **kwargs))
+        return out
 
 
 class ShardedEncoderForward:

@@ -70,6 +70,9 @@ class Runtime:
                    "ranks": [{"rank": 0, "device": None, "pid": os.getpid(), "alive": True, "param_bytes": 0,
                               **process_memory(os.getpid()), "last_forward_ms": None, "forwards": 0}]}
         out["last_failure"] = self.last_failure
+        from . import verification
+
+        out["first_step_check"] = verification.LAST
         return out
 
 

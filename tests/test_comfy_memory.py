@@ -155,3 +155,26 @@ def test_tp_keeps_the_full_weights_out_of_comfyuis_loading_and_an_unload_frees_e
     finally:
         mm.unload_all_models()
         runtime.shutdown("test done")
+
+
+def test_a_dynamic_vram_patcher_is_sharded_through_comfyuis_non_dynamic_delegate():
+    """ComfyUI 0.33's dynamic VRAM (NVIDIA only, so never on this machine) keeps memory-mapped
+    weights and per-op LoRA that cannot travel: sharded models ask for the plain delegate."""
+    from parallel_runtime.comfy_patcher import plain_clone
+
+    calls = []
+
+    class Dynamic:
+        def is_dynamic(self):
+            return True
+
+        def clone(self, disable_dynamic=False):
+            calls.append(disable_dynamic)
+            return "delegate" if disable_dynamic else "dynamic clone"
+
+    class Plain:  # 0.3.75: no is_dynamic, clone takes no argument
+        def clone(self):
+            return "plain clone"
+
+    assert plain_clone(Dynamic()) == "delegate" and calls == [True]
+    assert plain_clone(Plain()) == "plain clone"
