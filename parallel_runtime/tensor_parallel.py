@@ -67,6 +67,18 @@ Layer = Union[Colwise, ColwiseKV, Rowwise, Norm]
 
 
 @dataclass(frozen=True)
+class SliceInput:
+    """An input of a module that carries per-head or per-feature data (LTXV's RoPE table spans
+    the whole attention width): each TP rank takes its equal part along ``dim``, of element
+    ``item`` when the input is a tuple. Like ``Split``, a spec applies only to its form (tensor
+    or tuple), so a plan can name both where ComfyUI releases differ."""
+
+    arg: str
+    dim: int
+    item: int | None = None
+
+
+@dataclass(frozen=True)
 class TensorParallelPlan:
     layers: dict[str, Layer]
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module pattern -> int attributes
@@ -75,6 +87,8 @@ class TensorParallelPlan:
     # Layer patterns that only some variants of the class have (Flux.1 per-block modulation vs
     # Flux.2 global modulation, Wan's I2V image branch): no match is not an error for these.
     optional: frozenset[str] = frozenset()
+    # Module inputs cut per TP rank at every call (see SliceInput): module pattern -> specs.
+    inputs: dict[str, tuple[SliceInput, ...]] = field(default_factory=dict)
 
 
 class TensorParallelError(RuntimeError):
@@ -392,14 +406,64 @@ def _norm_hook(group, size: int):
     return hook
 
 
+def _slice_input(value, spec: SliceInput, rank: int, size: int, memo: dict):
+    if spec.item is not None:
+        if not (isinstance(value, tuple) and len(value) > spec.item and isinstance(value[spec.item], torch.Tensor)):
+            return None
+        items = list(value)
+        items[spec.item] = _slice_input(items[spec.item], SliceInput(spec.arg, spec.dim), rank, size, memo)
+        return tuple(items)
+    if not isinstance(value, torch.Tensor):
+        return None
+    found = memo.get(id(value))
+    if found is not None and found[0] is value:
+        return found[1]
+    total = value.shape[spec.dim]
+    if total % size:
+        raise TensorParallelError(f"tensor parallel: input '{spec.arg}' has {total} entries along dim {spec.dim}, "
+                                  f"which do not divide by tp_size {size}")
+    part = total // size
+    out = value.narrow(spec.dim, rank * part, part)
+    memo[id(value)] = (value, out)  # the same table reaches every block: cut it once
+    return out
+
+
+def _slice_inputs_hook(specs: tuple[SliceInput, ...], rank: int, size: int, memo: dict):
+    def hook(module, args, kwargs):
+        from .plans.base import _position_of
+
+        args = list(args)
+        for spec in specs:
+            if spec.arg in kwargs:
+                cut = _slice_input(kwargs[spec.arg], spec, rank, size, memo)
+                if cut is not None:
+                    kwargs[spec.arg] = cut
+                continue
+            pos = _position_of(module, spec.arg)
+            if pos is not None and pos < len(args):
+                cut = _slice_input(args[pos], spec, rank, size, memo)
+                if cut is not None:
+                    args[pos] = cut
+        return tuple(args), kwargs
+    return hook
+
+
 @contextlib.contextmanager
 def tensor_parallel(shard: torch.nn.Module, plan: TensorParallelPlan | None, group, size: int):
-    """Install the TP collectives on ``shard`` for one forward."""
+    """Install the TP collectives (and input slices) on ``shard`` for one forward."""
     if plan is None or size == 1:
         yield
         return
     handles = []
     try:
+        if plan.inputs:
+            from .plans.base import matching_modules
+
+            rank, memo = shard.tensor_parallel_rank[0], {}
+            for pattern, specs in plan.inputs.items():
+                for _, mod in matching_modules(shard, pattern):
+                    handles.append(mod.register_forward_pre_hook(_slice_inputs_hook(specs, rank, size, memo),
+                                                                 with_kwargs=True))
         for _, mod, spec in layer_specs(shard, plan):
             if isinstance(spec, Rowwise):
                 handles.append(mod.register_forward_hook(_all_reduce_hook(group)))

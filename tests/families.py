@@ -320,3 +320,68 @@ def qwen_4heads():
 @tp_case("hunyuan_video_4heads")
 def hunyuan_4heads():
     return hunyuan_case(4, [16, 24, 24], seed=125)
+
+
+@tp_case("wan_vace_4heads")
+def wan_vace_4heads():
+    from comfy.ldm.wan.model import VaceWanModel
+
+    model = seeded(VaceWanModel(dim=256, ffn_dim=512, num_heads=4, num_layers=2, text_dim=64, vace_layers=1,
+                                vace_in_dim=32, operations=OPS), seed=130)
+    x = randn(2, 16, 3, 6, 10, seed=131)
+    kwargs = {"vace_context": randn(2, 2, 32, 3, 6, 10, seed=132), "vace_strength": [1.0, 0.5]}
+    return model, (x, torch.tensor([600.0, 200.0]), randn(2, 5, 64, seed=133)), kwargs
+
+
+@tp_case("chroma_4heads_controlnet")
+def chroma_4heads():
+    from comfy.ldm.chroma.model import Chroma
+
+    model = seeded(make(Chroma, image_model="chroma", in_channels=64, out_channels=64, context_in_dim=64, hidden_size=256,
+                        mlp_ratio=4.0, num_heads=4, depth=2, depth_single_blocks=2, axes_dim=[16, 24, 24],
+                        theta=10000, patch_size=2, qkv_bias=True, in_dim=64, out_dim=256, hidden_dim=128,
+                        n_layers=2, dtype=torch.float32, device="cpu", operations=OPS), seed=135)
+    x = randn(2, 16, 10, 14, seed=136)
+    return model, (x, torch.tensor([0.5, 0.9]), randn(2, 7, 64, seed=137), torch.zeros(2)), \
+        {"control": flux_control(35, seed=138)}
+
+
+def ltxv_4heads_model():
+    from comfy.ldm.lightricks.model import LTXVModel
+
+    return seeded(LTXVModel(in_channels=128, cross_attention_dim=256, attention_head_dim=64, num_attention_heads=4,
+                            caption_channels=64, num_layers=2, dtype=torch.float32, device="cpu", operations=OPS),
+                  seed=140)
+
+
+@tp_case("ltxv_4heads_per_token_timestep")
+def ltxv_4heads():
+    x = randn(2, 128, 3, 5, 7, seed=141)
+    t = torch.rand(2, 105, 1, generator=torch.Generator().manual_seed(142))
+    return ltxv_4heads_model(), (x, t, randn(2, 12, 64, seed=143), None), {"frame_rate": 25}
+
+
+@tp_case("lumina2_8heads_gqa")
+def lumina2_gqa():
+    """Grouped-query attention: 8 query heads over 4 KV heads (Lumina2 has 24 over 8)."""
+    from comfy.ldm.lumina.model import NextDiT
+
+    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=8,
+                           n_kv_heads=4, qk_norm=True, cap_feat_dim=64, axes_dims=[8, 12, 12],
+                           axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0,
+                           dtype=torch.float32, operations=OPS), seed=145)
+    x = randn(2, 16, 10, 14, seed=146)
+    return model, (x, torch.tensor([0.3, 0.6]), randn(2, 7, 64, seed=147), 7), {}
+
+
+@tp_case("z_image_4heads")
+def z_image_4heads():
+    from comfy.ldm.lumina.model import NextDiT
+
+    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=4,
+                           n_kv_heads=4, qk_norm=True, cap_feat_dim=64, axes_dims=[16, 24, 24],
+                           axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
+                           z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32,
+                           dtype=torch.float32, operations=OPS), seed=148)
+    x = randn(2, 16, 10, 14, seed=149)
+    return model, (x, torch.tensor([0.4, 0.8]), randn(2, 7, 64, seed=150), 7), {}

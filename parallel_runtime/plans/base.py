@@ -94,6 +94,10 @@ class Gather:
     segments: tuple[str, ...] | None = None
 
 
+# The ComfyUI releases the whole test suite runs on (tools/host.py installs each).
+TESTED_RELEASES = ("0.3.75", "0.33.0")
+
+
 @dataclass(frozen=True)
 class ContextParallelPlan:
     inputs: dict[str, tuple[Split, ...]]
@@ -127,6 +131,8 @@ class ModelPlan:
     # Where ComfyUI releases build the family differently (HunyuanVideo's joint order): the
     # plan for this very module, chosen from its own structure, so every rank chooses alike.
     variant: "Callable[[torch.nn.Module], ModelPlan] | None" = None
+    # ComfyUI releases whose stock classes this plan's exactness tests passed on (README matrix).
+    tested_on: tuple[str, ...] = TESTED_RELEASES
 
     def for_module(self, module: torch.nn.Module) -> "ModelPlan":
         return self if self.variant is None else self.variant(module)
@@ -395,18 +401,23 @@ def path_matches(name: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
 
 
-def _resolve_last(root: torch.nn.Module, pattern: str) -> str:
-    """``single_blocks.-1`` names the last block, whatever the depth of this model."""
-    if ".-1" not in pattern and not pattern.startswith("-1"):
-        return pattern
-    resolved, module = [], root
-    for part in pattern.split("."):
-        if part == "-1" and module is not None:
-            children = [name for name, _ in module.named_children()]
-            part = children[-1] if children else part
-        resolved.append(part)
-        module = getattr(module, part, None) if module is not None and not any(c in part for c in "*?[") else None
-    return ".".join(resolved)
+def _is_last_child(root: torch.nn.Module, parts: list[str], i: int) -> bool:
+    parent = root.get_submodule(".".join(parts[:i])) if i else root
+    children = [name for name, _ in parent.named_children()]
+    return bool(children) and children[-1] == parts[i]
+
+
+def _matches_with_last(root: torch.nn.Module, name: str, pattern: str) -> bool:
+    """``-1`` names the last child of its parent, whatever the depth of this model:
+    ``single_blocks.-1`` the last block, ``layers.*.adaLN_modulation.-1`` the last module of
+    each block's modulation (a Sequential whose length differs between variants)."""
+    pats = pattern.split(".")
+    if "-1" not in pats:
+        return path_matches(name, pattern)
+    parts = name.split(".")
+    if not path_matches(name, ".".join("*" if p == "-1" else p for p in pats)):
+        return False
+    return all(_is_last_child(root, parts, i) for i, p in enumerate(pats) if p == "-1")
 
 
 _MATCHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, list]]" = weakref.WeakKeyDictionary()
@@ -418,8 +429,7 @@ def matching_modules(root: torch.nn.Module, pattern: str) -> list[tuple[str, tor
     per_root = _MATCHES.setdefault(root, {})
     found = per_root.get(pattern)
     if found is None:
-        target = _resolve_last(root, pattern)
-        found = [(name, mod) for name, mod in root.named_modules() if name and path_matches(name, target)]
+        found = [(name, mod) for name, mod in root.named_modules() if name and _matches_with_last(root, name, pattern)]
         per_root[pattern] = found
     return found
 

@@ -54,7 +54,10 @@ def _single_in(block, linear) -> list[int]:
 
 
 def flux_blocks_tensor_parallel(modulation: bool, final_modulation: bool, embeddings: bool = True,
-                                extra: dict | None = None, divisible: dict | None = None) -> TensorParallelPlan:
+                                extra: dict | None = None, divisible: dict | None = None,
+                                embedders: tuple[str, ...] = ("time_in", "guidance_in", "vector_in"),
+                                extra_divide: dict | None = None, extra_optional: frozenset = frozenset(),
+                                ) -> TensorParallelPlan:
     """Heads and MLPs of the double- and single-stream blocks split across TP ranks: fused
     projections by segment (qkv; q|k|v|mlp_in; proj|mlp_out; gate|up), output projections
     row-parallel, modulation column-parallel with gathered output."""
@@ -82,7 +85,7 @@ def flux_blocks_tensor_parallel(modulation: bool, final_modulation: bool, embedd
     # only in some variants).
     if embeddings:
         layers.update({"img_in": Colwise(gather=True), "txt_in": Colwise(gather=True)})
-    for embedder in ("time_in", "guidance_in", "vector_in"):
+    for embedder in embedders:
         layers[f"{embedder}.in_layer"] = Colwise()
         layers[f"{embedder}.out_layer"] = Rowwise()
         if embedder != "time_in":
@@ -91,9 +94,10 @@ def flux_blocks_tensor_parallel(modulation: bool, final_modulation: bool, embedd
     return TensorParallelPlan(
         layers=layers,
         divide={"double_blocks.*": ("num_heads",),
-                "single_blocks.*": ("num_heads", "hidden_size", "mlp_hidden_dim", "mlp_hidden_dim_first")},
+                "single_blocks.*": ("num_heads", "hidden_size", "mlp_hidden_dim", "mlp_hidden_dim_first"),
+                **(extra_divide or {})},
         divisible={"MLP width": "single_blocks.0.mlp_hidden_dim", **(divisible or {})},
-        optional=frozenset(optional))
+        optional=frozenset(optional) | extra_optional)
 
 
 MASK_WHY = "the style-model attention mask covers the joint sequence; run without the mask option"
@@ -108,11 +112,19 @@ FLUX = ModelPlan(
     tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True),
 )
 
+# Chroma's blocks carry no modulation layers: one "distilled guidance" MLP stack (the
+# Approximator, residual MLPEmbedders) computes every block's modulation from the timestep.
+# Its MLPs are column/row pairs; its input and output projections stay whole.
+CHROMA_APPROXIMATOR = {"distilled_guidance_layer.layers.*.in_layer": Colwise(),
+                       "distilled_guidance_layer.layers.*.out_layer": Rowwise()}
+
 CHROMA = ModelPlan(
     family="chroma",
     title="Chroma",
     classes=("comfy.ldm.chroma.model.Chroma",),
     heads_attr="num_heads",
     context_parallel=_flux_style_plan({"attention_mask": MASK_WHY}),
-    notes="ControlNet residuals.",
+    notes="ControlNet residuals; under TP the distilled-guidance MLPs are cut too.",
+    tensor_parallel=flux_blocks_tensor_parallel(modulation=False, final_modulation=False, embedders=(),
+                                                extra=CHROMA_APPROXIMATOR),
 )

@@ -19,9 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..tensor_parallel import Colwise, Rowwise
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
 from .flux import FLUX_BLOCK_ARGS, flux_blocks_tensor_parallel
 
+
+
+REFINER_BLOCKS = "txt_in.individual_token_refiner.blocks.*"
+# The text token refiner (``txt_in``: a few attention blocks over the text before the main ones):
+# qkv by segment (q | k | v, then heads), projection and MLP as column/row pairs, its modulation
+# gathered; its timestep and pooled-text MLPs as pairs. Optional: variants without it.
+TOKEN_REFINER = {f"{REFINER_BLOCKS}.self_attn.qkv": Colwise(segments=3), f"{REFINER_BLOCKS}.self_attn.proj": Rowwise(),
+                 f"{REFINER_BLOCKS}.mlp.0": Colwise(), f"{REFINER_BLOCKS}.mlp.2": Rowwise(),
+                 f"{REFINER_BLOCKS}.adaLN_modulation.-1": Colwise(gather=True),
+                 **{f"txt_in.{e}.{layer}": spec for e in ("t_embedder", "c_embedder")
+                    for layer, spec in (("in_layer", Colwise()), ("out_layer", Rowwise()))}}
 
 
 def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
@@ -47,10 +59,13 @@ def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
             },
             passed=FLUX_BLOCK_ARGS,
         ),
-        notes="HunyuanVideo T2V (reference latents too); not ControlNet or the I2V guiding frame.",
+        notes=("HunyuanVideo T2V; reference latents on 0.3.x (refused on 0.33, which places them by absolute "
+               "count); not ControlNet or the I2V guiding frame."),
         # Flux's block classes: the same tensor-parallel layout; the patch embedding (a convolution)
-        # and the text token refiner stay whole.
-        tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True, embeddings=False),
+        # stays whole. The text token refiner's blocks are cut like them.
+        tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True, embeddings=False,
+                                                    extra=TOKEN_REFINER, extra_divide={REFINER_BLOCKS: ("heads",)},
+                                                    extra_optional=frozenset(TOKEN_REFINER)),
     )
 
 

@@ -42,21 +42,30 @@ def _attention_tp(prefix: str, image_branch: bool = False) -> dict:
     return layers
 
 
-def wan_tensor_parallel() -> TensorParallelPlan:
+def _block_tp(blocks: str) -> tuple[dict, set, dict]:
+    image_branch = {f"{blocks}.cross_attn.{p}" for p in ("k_img", "v_img", "norm_k_img")}
+    layers = {**_attention_tp(f"{blocks}.self_attn"), **_attention_tp(f"{blocks}.cross_attn", image_branch=True),
+              f"{blocks}.ffn.0": Colwise(), f"{blocks}.ffn.2": Rowwise()}
+    return layers, image_branch, {f"{blocks}.self_attn": ("num_heads",), f"{blocks}.cross_attn": ("num_heads",)}
+
+
+def wan_tensor_parallel(block_stacks: tuple[str, ...] = ("blocks.*",)) -> TensorParallelPlan:
     """Attention heads and the FFN split across TP ranks (the residual stream stays whole):
     q/k/v column-parallel, o row-parallel, the full-width q/k RMSNorms all-reduce their mean
     square; the text and time embeddings are column/row pairs too, and the 6-way modulation
-    projection is column-parallel with its output gathered."""
-    image_branch = {f"blocks.*.cross_attn.{p}" for p in ("k_img", "v_img", "norm_k_img")}
-    layers = {**_attention_tp("blocks.*.self_attn"), **_attention_tp("blocks.*.cross_attn", image_branch=True),
-              "blocks.*.ffn.0": Colwise(), "blocks.*.ffn.2": Rowwise(),
-              "text_embedding.0": Colwise(), "text_embedding.2": Rowwise(),
+    projection is column-parallel with its output gathered. VACE's control blocks are the same
+    attention blocks (their before/after projections stay whole)."""
+    layers = {"text_embedding.0": Colwise(), "text_embedding.2": Rowwise(),
               "time_embedding.0": Colwise(), "time_embedding.2": Rowwise(),
               "time_projection.1": Colwise(gather=True)}
-    return TensorParallelPlan(layers=layers,
-                              divide={"blocks.*.self_attn": ("num_heads",), "blocks.*.cross_attn": ("num_heads",)},
-                              divisible={"FFN width": "ffn_dim", "width": "dim"},
-                              optional=frozenset(image_branch))
+    optional, divide = set(), {}
+    for blocks in block_stacks:
+        stack_layers, image_branch, stack_divide = _block_tp(blocks)
+        layers.update(stack_layers)
+        optional |= image_branch
+        divide.update(stack_divide)
+    return TensorParallelPlan(layers=layers, divide=divide, divisible={"FFN width": "ffn_dim", "width": "dim"},
+                              optional=frozenset(optional))
 
 
 ENTRY = {"blocks.0": (Split("x", dim=1, starts_stream=True),)}
@@ -95,5 +104,6 @@ VACE = ModelPlan(
         attention={**SELF_ATTENTION, "vace_blocks.*.self_attn": ("x",)},
         passed=WAN_BLOCK_ARGS | {"e"},  # VACE's modulation is one row per sample (the 14B models)
     ),
-    notes="Control video stream cut like the video.",
+    notes="Control video stream cut like the video; its control blocks cut like the main ones under TP.",
+    tensor_parallel=wan_tensor_parallel(("blocks.*", "vace_blocks.*")),
 )
