@@ -17,10 +17,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import inspect
 import io
 import marshal
+import os
 import pickle
+import sys
 import threading
 import types
 
@@ -145,7 +148,7 @@ def _function_by_code(fn: types.FunctionType):
     ``lambda a: gelu(a, approximate="tanh")``) from its code, in its module's namespace;
     only builtins and the model's own modules are named in the pickle."""
     code = (marshal.loads, (marshal.dumps(fn.__code__),))
-    namespace = (vars, (_Deferred((importlib.import_module, (fn.__module__,))),))
+    namespace = (vars, (_Deferred((import_module, (fn.__module__,))),))
     closure = None
     if fn.__closure__:
         closure = tuple(_Deferred((_types_attr("CellType"), (cell.cell_contents,))) for cell in fn.__closure__)
@@ -299,11 +302,47 @@ def pack_skeleton(module: torch.nn.Module, module_state=None) -> tuple[bytes, li
     return buf.getvalue(), pickler.tensors
 
 
+def import_module(name: str):
+    """``importlib.import_module``, also for the modules of ComfyUI custom node packs, which
+    ComfyUI imports under their folder's path (dots as ``_x_``) rather than an importable name:
+    a layer class, hook or patch from another node pack travels to the workers like ComfyUI's own."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        top = name.split(".", 1)[0]
+        folder = top.replace("_x_", ".")
+        if not os.path.isabs(folder) or top in sys.modules:
+            raise
+        init = os.path.join(folder, "__init__.py") if os.path.isdir(folder) else folder
+        if not os.path.isfile(init):
+            raise
+        spec = importlib.util.spec_from_file_location(top, init, submodule_search_locations=(
+            [folder] if os.path.isdir(folder) else None))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[top] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(top, None)
+            raise
+        return importlib.import_module(name)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        import_module(module)
+        return super().find_class(module, name)
+
+
+def _loads(data: bytes):
+    return _Unpickler(io.BytesIO(data)).load()
+
+
 def unpack_skeleton(data: bytes, tensors: list[torch.Tensor]) -> torch.nn.Module:
     """The module, its slots taken by ``tensors`` (allocated by the receiver, in slot order)."""
     _filling.tensors = tensors
     try:
-        module = pickle.loads(data)
+        module = _loads(data)
     finally:
         _filling.tensors = None
     module.eval()
@@ -312,7 +351,7 @@ def unpack_skeleton(data: bytes, tensors: list[torch.Tensor]) -> torch.nn.Module
 
 def unpack_module(data: bytes, device: torch.device) -> torch.nn.Module:
     use_shared_memory_strategy()
-    module = pickle.loads(data)
+    module = _loads(data)
     if device.type != "cpu":
         module.to(device)
     module.eval()
