@@ -35,21 +35,27 @@ def comfyui_path() -> str:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
     """A ComfyUI base directory with the tiny Wan model, VAE, LoRAs and prompt embedding."""
+    from tiny_families import write_family_files
     from tiny_models import LARGE_FILES, TINY_FILES, write_tiny_wan_files
 
     base = tmp_path_factory.mktemp("comfy_base")
     write_tiny_wan_files(base, only=[name for name in TINY_FILES if name not in LARGE_FILES])
+    write_family_files(base)
     return base
 
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_base, comfyui_path):
     """One real ComfyUI server with the pack for the end-to-end tests of a session, plus the
-    test-only extension that lets tiny files state their own config (FLUX.2, text encoders; see its docstring)."""
+    test-only extensions: tiny files that state their own config (FLUX.2, text encoders, the
+    per-family files), and a loader that changes a model the way a ComfyUI update does (see
+    their docstrings)."""
     from comfy_server import ComfyServer
 
+    extensions = REPO / "tests" / "comfy_extensions"
     server = ComfyServer(comfyui_path, tiny_base, python=sys.executable,
-                         extra_custom_nodes=[REPO / "tests" / "comfy_extensions" / "tiny_config_from_metadata"]).start()
+                         extra_custom_nodes=[extensions / "tiny_config_from_metadata",
+                                             extensions / "simulated_comfyui_update"]).start()
     yield server
     server.stop()
 

@@ -41,6 +41,7 @@ def compare(server, sharded, unsharded, label):
     return reference
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("parallel", [{"ring_size": 2}, {"cfg_size": 2}], ids=["ring2", "cfg2"])
 def test_wan_workflow(tiny_server, tiny_prompt, parallel):
     sharded = edited(tiny_prompt, ParallelConfig={"ulysses_size": 1, **parallel})

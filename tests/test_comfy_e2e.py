@@ -24,6 +24,7 @@ def status(server) -> dict:
     return server.get("/parallel/status")
 
 
+@pytest.mark.smoke
 def test_sharded_workflow_equals_unsharded(tiny_server, tiny_prompt):
     """Ulysses 2 on 2 ranks, stock KSampler at cfg 3, one LoRA before and one after the node."""
     ksampler = tiny_prompt[find_nodes(tiny_prompt, "KSampler")[0]]["inputs"]

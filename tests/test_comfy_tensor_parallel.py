@@ -18,6 +18,7 @@ def with_lora_strengths(prompt, first, second):
     return out
 
 
+@pytest.mark.smoke
 def test_tp2_with_lora_and_a_changed_strength(tiny_server, tiny_prompt):
     """The shards are cut from the LoRA-patched weights, and cut again when the strength changes."""
     tp2 = edited(tiny_prompt, ParallelConfig={"ulysses_size": 1, "tp_size": 2})

@@ -18,6 +18,7 @@ def conditioning(server, graph, folder) -> tuple[torch.Tensor, dict]:
     return cond, extra
 
 
+@pytest.mark.smoke
 def test_sharded_t5_gives_the_same_conditioning(tiny_server):
     text = "a lighthouse on a cliff in a storm, waves crashing, oil painting"
     unsharded = remove_passthrough(text_encoder_prompt(text, "te_reference"), "ShardTextEncoder", "clip")

@@ -22,6 +22,7 @@ def outputs(server, prompt):
     return images, load_file(str(latent))["latent_tensor"]
 
 
+@pytest.mark.smoke
 def test_shard_vae_decodes_and_encodes_like_one_device(tiny_server, tiny_prompt):
     sharded = with_shard_vae(edited(tiny_prompt, KSampler={"seed": 303}), {"ulysses_size": 2})
     images_ref, latent_ref = outputs(tiny_server, remove_passthrough(sharded, "ShardVAE", "vae"))

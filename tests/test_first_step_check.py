@@ -4,7 +4,6 @@ the prompt. Here in ComfyUI's own sampling, in this process."""
 import functools
 
 import pytest
-import torch
 
 from conftest import PACK
 from test_comfy_memory import sample, tiny_patcher

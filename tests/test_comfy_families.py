@@ -1,0 +1,95 @@
+"""Every family of the support matrix through a real ComfyUI server: the stock UNETLoader,
+KSampler (CFG 3, so cond and uncond) and SaveLatent, on a tiny file of the family
+(tools/tiny_families.py), under Ulysses 2 and TP 2 against the same graph without Shard
+Transformer, in fp32. TP 2 also reports each rank's weight bytes, measured against the file.
+
+And never silently wrong: a model changed under its plan the way a ComfyUI update changes one
+(tests/comfy_extensions/simulated_comfyui_update) is refused with the family and the release
+named, not computed."""
+import pytest
+from safetensors import safe_open
+
+from comfy_server import PromptFailed
+from test_comfy_e2e import final_latent, status
+from tiny_families import FAMILIES, family_prompt, file_name
+
+pytestmark = pytest.mark.multirank
+TOL = 1e-4
+TP2_BYTES_LIMIT = 0.52
+LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "tp2": {"tp_size": 2}}
+_references = {}
+
+
+def reference(server, family):
+    if family not in _references:
+        _references[family] = final_latent(server, family_prompt(family, None))
+    return _references[family]
+
+
+def file_bytes(server, family) -> int:
+    path = server.base_dir / "models" / "diffusion_models" / file_name(family)
+    with safe_open(str(path), "pt") as f:
+        return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+
+
+# Layout-major, so the world restarts once per layout rather than once per test.
+@pytest.mark.smoke
+@pytest.mark.parametrize("layout,family", [(layout, family) for layout in LAYOUTS for family in FAMILIES],
+                         ids=[f"{layout}-{family}" for layout in LAYOUTS for family in FAMILIES])
+def test_family_equals_unsharded(tiny_server, layout, family):
+    ref = reference(tiny_server, family)
+    out = final_latent(tiny_server, family_prompt(family, LAYOUTS[layout]))
+    err = (out - ref).abs().max().item()
+    info = status(tiny_server)
+    line = f"\n{family} {layout}: max abs err {err:.2e} (latents up to {ref.abs().max().item():.2f})"
+    if layout == "tp2":
+        shares = [r["param_bytes"] / file_bytes(tiny_server, family) for r in info["ranks"]]
+        line += f"; weights per rank / file = {[round(s, 3) for s in shares]}"
+    print(line)
+    assert out.shape == ref.shape
+    assert err <= TOL
+    assert info["mesh"]["ulysses" if layout == "ulysses2" else "tp"] == 2
+    if layout == "tp2":
+        assert len(shares) == 2 and max(shares) <= TP2_BYTES_LIMIT and min(shares) > 0
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("parallel", [{"ulysses_size": 2, "ring_size": 2}, {"ulysses_size": 2, "tp_size": 2}],
+                         ids=["usp2x2", "ulysses2_tp2"])
+def test_four_rank_hybrids(tiny_server, parallel):
+    """USP and Ulysses x TP on four ranks (four heads: one per rank under Ulysses 2 x TP 2)."""
+    ref = reference(tiny_server, "wan")
+    out = final_latent(tiny_server, family_prompt("wan", {**parallel, "devices": "cpu,cpu,cpu,cpu"}))
+    err = (out - ref).abs().max().item()
+    mesh = status(tiny_server)["mesh"]
+    print(f"\nwan {parallel}: max abs err {err:.2e}")
+    assert out.shape == ref.shape and err <= TOL
+    assert all(mesh[dim] == size for dim, size in (("ulysses", 2), ("ring", parallel.get("ring_size", 1)),
+                                                   ("tp", parallel.get("tp_size", 1))))
+
+
+def updated_prompt(family: str, change: str) -> dict:
+    prompt = family_prompt(family, {"ulysses_size": 2})
+    prompt["1"] = {"class_type": "SimulatedUpdateUNETLoader", "inputs": {"unet_name": file_name(family),
+                                                                        "change": change}}
+    return prompt
+
+
+@pytest.mark.parametrize("family,blocks", [("wan", "blocks.0"), ("ltxv", "transformer_blocks.0")])
+def test_a_block_whose_arguments_changed_is_refused_at_the_node(tiny_server, family, blocks):
+    with pytest.raises(PromptFailed) as info:
+        tiny_server.run(updated_prompt(family, "renamed block argument"), timeout=300)
+    message = str(info.value)
+    print(f"\n{message[:600]}")
+    assert f"plan: {blocks} (Newer" in message and "takes no" in message
+    assert "Refused rather than computing a wrong result" in message
+    assert "ComfyUI " in message and info.value.error["node_type"] == "ShardTransformer"
+
+
+def test_a_block_called_with_an_unknown_argument_is_refused(tiny_server):
+    with pytest.raises(PromptFailed) as info:
+        tiny_server.run(updated_prompt("wan", "new block argument"), timeout=300)
+    message = str(info.value)
+    print(f"\n{message[:600]}")
+    assert "blocks.0 (WanAttentionBlock) was called with 'token_mask'" in message
+    assert "Refused rather than computing a wrong result" in message

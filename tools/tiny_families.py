@@ -1,0 +1,156 @@
+"""One tiny diffusion model file per family of the support matrix, for the server-level tests.
+
+Each is built from ComfyUI's own class at a tiny size (width 256, four or eight heads of 64
+or 32, so Ulysses 2 and TP 2 both divide) and states that size in its safetensors metadata
+(``config`` -> ``transformer``), which the tests' server applies after ComfyUI's own detection
+(tests/comfy_extensions/tiny_config_from_metadata). The stock UNETLoader, model_base and
+samplers then run them as they run the real models. Blocks make up most of the weights, as in
+the real models, so TP's share per rank can be measured. Text widths are 64, the width of the
+prompt embeddings written next to them.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tiny_models import _seeded_, make, stating_config, write_conditioning_dataset
+
+TEXT_DIM = 64
+TEXT_TOKENS = 7
+# The prompt datasets: one 7-token text embedding, with what some families' conditioning adds.
+PROMPT = "tiny_family_prompt"                # text embedding only
+PROMPT_POOLED = "tiny_family_prompt_pooled"  # with a pooled vector (Flux.1, HunyuanVideo, Chroma)
+PROMPT_MASKED = "tiny_family_prompt_masked"  # with the attention mask LTXV's encoder gives (0.33 requires it)
+
+IMAGE_LATENT = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 80, "height": 112, "batch_size": 1}}
+VIDEO_LATENT = {"class_type": "EmptyHunyuanLatentVideo",
+                "inputs": {"width": 80, "height": 48, "length": 9, "batch_size": 1}}
+LTXV_LATENT = {"class_type": "EmptyLTXVLatentVideo",
+               "inputs": {"width": 224, "height": 160, "length": 17, "batch_size": 1}}
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    cls: str                  # ComfyUI class, module.Class
+    config: dict              # constructor arguments that ComfyUI's unet config carries
+    latent: dict              # the empty-latent node of the workflow
+    prompt: str = PROMPT      # which prompt dataset
+    constructor_only: dict = field(default_factory=dict)  # arguments the detection sets itself (not stated)
+
+    def build(self) -> torch.nn.Module:
+        import comfy.ops
+
+        module, name = self.cls.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name)
+        model = make(cls, **self.config, **self.constructor_only, dtype=torch.float32, device="cpu",
+                     operations=comfy.ops.disable_weight_init)
+        return model
+
+
+FLUX_LIKE = dict(mlp_ratio=4.0, num_heads=4, depth=2, depth_single_blocks=2, axes_dim=[16, 24, 24], theta=10000,
+                 qkv_bias=True, hidden_size=256)
+
+FAMILIES = {
+    "flux": TinyFamily("comfy.ldm.flux.model.Flux",
+                       dict(FLUX_LIKE, in_channels=16, out_channels=16, vec_in_dim=TEXT_DIM, context_in_dim=TEXT_DIM,
+                            patch_size=2, guidance_embed=True),
+                       IMAGE_LATENT, prompt=PROMPT_POOLED, constructor_only={"image_model": "flux"}),
+    "chroma": TinyFamily("comfy.ldm.chroma.model.Chroma",
+                         dict(FLUX_LIKE, in_channels=64, out_channels=64, context_in_dim=TEXT_DIM, patch_size=2,
+                              in_dim=64, out_dim=256, hidden_dim=256, n_layers=2),
+                         IMAGE_LATENT, prompt=PROMPT_POOLED,  # 0.3.75's Chroma reads the key (and ignores it)
+                         constructor_only={"image_model": "chroma"}),
+    "wan": TinyFamily("comfy.ldm.wan.model.WanModel",
+                      dict(patch_size=(1, 2, 2), dim=256, ffn_dim=1024, num_heads=4, num_layers=2, in_dim=16,
+                           out_dim=16, text_dim=TEXT_DIM),
+                      VIDEO_LATENT, constructor_only={"model_type": "t2v"}),
+    "wan_vace": TinyFamily("comfy.ldm.wan.model.VaceWanModel",
+                           dict(patch_size=(1, 2, 2), dim=256, ffn_dim=1024, num_heads=4, num_layers=6, in_dim=16,
+                                out_dim=16, text_dim=TEXT_DIM, vace_layers=1, vace_in_dim=96),
+                           VIDEO_LATENT, constructor_only={"model_type": "t2v"}),
+    "qwen_image": TinyFamily("comfy.ldm.qwen_image.model.QwenImageTransformer2DModel",
+                             dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=64,
+                                  num_attention_heads=4, joint_attention_dim=TEXT_DIM, axes_dims_rope=[16, 24, 24]),
+                             IMAGE_LATENT),
+    "hunyuan_video": TinyFamily("comfy.ldm.hunyuan_video.model.HunyuanVideo",
+                                dict(FLUX_LIKE, in_channels=16, out_channels=16, vec_in_dim=TEXT_DIM,
+                                     context_in_dim=TEXT_DIM, depth_single_blocks=4, theta=256, patch_size=[1, 2, 2],
+                                     guidance_embed=True),
+                                VIDEO_LATENT, prompt=PROMPT_POOLED,
+                                constructor_only=dict(image_model="hunyuan_video", byt5=False, meanflow=False,
+                                                      use_cond_type_embedding=False, vision_in_dim=None)),
+    "ltxv": TinyFamily("comfy.ldm.lightricks.model.LTXVModel",
+                       dict(in_channels=128, cross_attention_dim=256, attention_head_dim=64, num_attention_heads=4,
+                            caption_channels=TEXT_DIM, num_layers=4),
+                       LTXV_LATENT, prompt=PROMPT_MASKED),
+    "lumina2": TinyFamily("comfy.ldm.lumina.model.NextDiT",
+                          dict(patch_size=2, in_channels=16, dim=256, n_layers=3, n_refiner_layers=1, n_heads=8,
+                               n_kv_heads=4, qk_norm=True, cap_feat_dim=TEXT_DIM, axes_dims=[8, 12, 12],
+                               axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0),
+                          IMAGE_LATENT),
+    "z_image": TinyFamily("comfy.ldm.lumina.model.NextDiT",
+                          dict(patch_size=2, in_channels=16, dim=256, n_layers=3, n_refiner_layers=1, n_heads=4,
+                               n_kv_heads=4, qk_norm=True, cap_feat_dim=TEXT_DIM, axes_dims=[16, 24, 24],
+                               axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
+                               z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32),
+                          IMAGE_LATENT),
+}
+
+
+def file_name(family: str) -> str:
+    return f"tiny_family_{family}.safetensors"
+
+
+def family_state_dict(family: str, seed: int = 200) -> tuple[dict, dict]:
+    spec = FAMILIES[family]
+    model = spec.build()
+    _seeded_([p for _, p in sorted(model.named_parameters())], seed + sorted(FAMILIES).index(family), scale=0.03)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    return stating_config(sd, "transformer", spec.config)
+
+
+def write_family_files(base_dir: Path) -> dict[str, Path]:
+    """Every family's tiny file under models/diffusion_models, and the two prompt datasets. Idempotent."""
+    from safetensors.torch import save_file
+
+    folder = Path(base_dir) / "models" / "diffusion_models"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for family in FAMILIES:
+        path = folder / file_name(family)
+        if not path.exists():
+            sd, metadata = family_state_dict(family)
+            save_file(sd, str(path), metadata=metadata)
+        paths[family] = path
+    gen = torch.Generator().manual_seed(210)
+    text = torch.randn(1, TEXT_TOKENS, TEXT_DIM, generator=gen)
+    write_conditioning_dataset(base_dir, PROMPT, text)
+    write_conditioning_dataset(base_dir, PROMPT_POOLED, text, {"pooled_output": torch.randn(1, TEXT_DIM, generator=gen)})
+    write_conditioning_dataset(base_dir, PROMPT_MASKED, text, {"attention_mask": torch.ones(1, TEXT_TOKENS, dtype=torch.long)})
+    return paths
+
+
+def family_prompt(family: str, parallel: dict | None) -> dict:
+    """UNETLoader -> (Shard Transformer) -> KSampler (CFG 3, 3 steps) -> SaveLatent, in API format."""
+    spec = FAMILIES[family]
+    model = ["1", 0]
+    prompt = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": file_name(family), "weight_dtype": "default"}},
+        "4": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": spec.prompt}},
+        "5": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["4", 1]}},
+        "6": spec.latent,
+        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"latents/{family}"}},
+    }
+    if parallel is not None:
+        prompt["2"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
+                                                                  "cfg_size": 1, "devices": "auto", "backend": "auto",
+                                                                  **parallel}}
+        prompt["3"] = {"class_type": "ShardTransformer", "inputs": {"model": ["1", 0], "parallel_config": ["2", 0]}}
+        model = ["3", 0]
+    prompt["7"] = {"class_type": "KSampler", "inputs": {"model": model, "positive": ["4", 1], "negative": ["5", 0],
+                                                        "latent_image": ["6", 0], "seed": 11, "steps": 3, "cfg": 3.0,
+                                                        "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}}
+    return prompt
