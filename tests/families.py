@@ -75,15 +75,20 @@ def wan_per_frame():
     return model, (x, t, randn(2, 5, 64, seed=11)), {}
 
 
-@case("wan_vace")
-def wan_vace():
+def vace_case(heads, seed):
+    """Wan VACE with two control streams over 45 video tokens."""
     from comfy.ldm.wan.model import VaceWanModel
 
-    model = seeded(VaceWanModel(dim=256, ffn_dim=512, num_heads=2, num_layers=2, text_dim=64, vace_layers=1,
-                                vace_in_dim=32, operations=OPS), seed=12)
-    x = randn(2, 16, 3, 6, 10, seed=13)  # 45 tokens
-    kwargs = {"vace_context": randn(2, 2, 32, 3, 6, 10, seed=14), "vace_strength": [1.0, 0.5]}
-    return model, (x, torch.tensor([600.0, 200.0]), randn(2, 5, 64, seed=15)), kwargs
+    model = seeded(VaceWanModel(dim=256, ffn_dim=512, num_heads=heads, num_layers=2, text_dim=64, vace_layers=1,
+                                vace_in_dim=32, operations=OPS), seed=seed)
+    x = randn(2, 16, 3, 6, 10, seed=seed + 1)
+    kwargs = {"vace_context": randn(2, 2, 32, 3, 6, 10, seed=seed + 2), "vace_strength": [1.0, 0.5]}
+    return model, (x, torch.tensor([600.0, 200.0]), randn(2, 5, 64, seed=seed + 3)), kwargs
+
+
+@case("wan_vace")
+def wan_vace():
+    return vace_case(2, seed=12)
 
 
 @case("flux1")
@@ -121,17 +126,22 @@ def flux2():
     return flux2_case(2, [32, 32, 32, 32], seed=40)
 
 
-@case("chroma_controlnet")
-def chroma():
+def chroma_case(heads, axes_dim, seed):
+    """Chroma with ControlNet residuals over its 35 image tokens."""
     from comfy.ldm.chroma.model import Chroma
 
     model = seeded(make(Chroma, image_model="chroma", in_channels=64, out_channels=64, context_in_dim=64, hidden_size=256,
-                          mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=[16, 56, 56],
-                          theta=10000, patch_size=2, qkv_bias=True, in_dim=64, out_dim=256, hidden_dim=128,
-                          n_layers=2, dtype=torch.float32, device="cpu", operations=OPS), seed=50)
-    x = randn(2, 16, 10, 14, seed=51)
-    return model, (x, torch.tensor([0.5, 0.9]), randn(2, 7, 64, seed=52), torch.zeros(2)), \
-        {"control": flux_control(35, seed=53)}
+                        mlp_ratio=4.0, num_heads=heads, depth=2, depth_single_blocks=2, axes_dim=axes_dim,
+                        theta=10000, patch_size=2, qkv_bias=True, in_dim=64, out_dim=256, hidden_dim=128,
+                        n_layers=2, dtype=torch.float32, device="cpu", operations=OPS), seed=seed)
+    x = randn(2, 16, 10, 14, seed=seed + 1)
+    return model, (x, torch.tensor([0.5, 0.9]), randn(2, 7, 64, seed=seed + 2), torch.zeros(2)), \
+        {"control": flux_control(35, seed=seed + 3)}
+
+
+@case("chroma_controlnet")
+def chroma():
+    return chroma_case(2, [16, 56, 56], seed=50)
 
 
 def qwen_model():
@@ -157,29 +167,30 @@ def qwen_image_edit():
     return qwen_model(), (x, torch.tensor([0.5, 0.75]), randn(2, 9, 64, seed=67)), kwargs
 
 
-@case("lumina2")
-def lumina2():
+LUMINA2 = dict(axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0)
+Z_IMAGE = dict(axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True,
+               time_scale=1000.0, pad_tokens_multiple=32)
+
+
+def next_dit_case(heads, kv_heads, axes_dims, variant, seed):
+    """A NextDiT (Lumina2 or Z-Image) over 35 image and 7 caption tokens."""
     from comfy.ldm.lumina.model import NextDiT
 
-    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=4,
-                           n_kv_heads=2, qk_norm=True, cap_feat_dim=64, axes_dims=[16, 24, 24],
-                           axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0,
-                           dtype=torch.float32, operations=OPS), seed=70)
-    x = randn(2, 16, 10, 14, seed=71)  # 35 image + 7 caption tokens
-    return model, (x, torch.tensor([0.3, 0.6]), randn(2, 7, 64, seed=72), 7), {}
+    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=heads,
+                           n_kv_heads=kv_heads, qk_norm=True, cap_feat_dim=64, axes_dims=axes_dims,
+                           dtype=torch.float32, operations=OPS, **variant), seed=seed)
+    x = randn(2, 16, 10, 14, seed=seed + 1)
+    return model, (x, torch.tensor([0.3, 0.6]), randn(2, 7, 64, seed=seed + 2), 7), {}
+
+
+@case("lumina2")
+def lumina2():
+    return next_dit_case(4, 2, [16, 24, 24], LUMINA2, seed=70)
 
 
 @case("z_image")
 def z_image():
-    from comfy.ldm.lumina.model import NextDiT
-
-    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=2,
-                           n_kv_heads=2, qk_norm=True, cap_feat_dim=64, axes_dims=[32, 48, 48],
-                           axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
-                           z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32,
-                           dtype=torch.float32, operations=OPS), seed=73)
-    x = randn(2, 16, 10, 14, seed=74)
-    return model, (x, torch.tensor([0.4, 0.8]), randn(2, 7, 64, seed=75), 7), {}
+    return next_dit_case(2, 2, [32, 48, 48], Z_IMAGE, seed=73)
 
 
 def hunyuan_case(heads, axes_dim, seed):
@@ -211,12 +222,13 @@ def hunyuan_video_ref():
     return model, (x[:1], t[:1], context[:1]), kwargs
 
 
-def ltxv_model():
+def ltxv_model(heads=2, seed=90):
+    """LTXV of width 256: two heads of 128 or four of 64."""
     from comfy.ldm.lightricks.model import LTXVModel
 
-    return seeded(LTXVModel(in_channels=128, cross_attention_dim=256, attention_head_dim=128, num_attention_heads=2,
-                            caption_channels=64, num_layers=2, dtype=torch.float32, device="cpu", operations=OPS),
-                  seed=90)
+    return seeded(LTXVModel(in_channels=128, cross_attention_dim=256, attention_head_dim=256 // heads,
+                            num_attention_heads=heads, caption_channels=64, num_layers=2, dtype=torch.float32,
+                            device="cpu", operations=OPS), seed=seed)
 
 
 @case("ltxv")
@@ -324,64 +336,27 @@ def hunyuan_4heads():
 
 @tp_case("wan_vace_4heads")
 def wan_vace_4heads():
-    from comfy.ldm.wan.model import VaceWanModel
-
-    model = seeded(VaceWanModel(dim=256, ffn_dim=512, num_heads=4, num_layers=2, text_dim=64, vace_layers=1,
-                                vace_in_dim=32, operations=OPS), seed=130)
-    x = randn(2, 16, 3, 6, 10, seed=131)
-    kwargs = {"vace_context": randn(2, 2, 32, 3, 6, 10, seed=132), "vace_strength": [1.0, 0.5]}
-    return model, (x, torch.tensor([600.0, 200.0]), randn(2, 5, 64, seed=133)), kwargs
+    return vace_case(4, seed=130)
 
 
 @tp_case("chroma_4heads_controlnet")
 def chroma_4heads():
-    from comfy.ldm.chroma.model import Chroma
-
-    model = seeded(make(Chroma, image_model="chroma", in_channels=64, out_channels=64, context_in_dim=64, hidden_size=256,
-                        mlp_ratio=4.0, num_heads=4, depth=2, depth_single_blocks=2, axes_dim=[16, 24, 24],
-                        theta=10000, patch_size=2, qkv_bias=True, in_dim=64, out_dim=256, hidden_dim=128,
-                        n_layers=2, dtype=torch.float32, device="cpu", operations=OPS), seed=135)
-    x = randn(2, 16, 10, 14, seed=136)
-    return model, (x, torch.tensor([0.5, 0.9]), randn(2, 7, 64, seed=137), torch.zeros(2)), \
-        {"control": flux_control(35, seed=138)}
-
-
-def ltxv_4heads_model():
-    from comfy.ldm.lightricks.model import LTXVModel
-
-    return seeded(LTXVModel(in_channels=128, cross_attention_dim=256, attention_head_dim=64, num_attention_heads=4,
-                            caption_channels=64, num_layers=2, dtype=torch.float32, device="cpu", operations=OPS),
-                  seed=140)
+    return chroma_case(4, [16, 24, 24], seed=135)
 
 
 @tp_case("ltxv_4heads_per_token_timestep")
 def ltxv_4heads():
     x = randn(2, 128, 3, 5, 7, seed=141)
     t = torch.rand(2, 105, 1, generator=torch.Generator().manual_seed(142))
-    return ltxv_4heads_model(), (x, t, randn(2, 12, 64, seed=143), None), {"frame_rate": 25}
+    return ltxv_model(heads=4, seed=140), (x, t, randn(2, 12, 64, seed=143), None), {"frame_rate": 25}
 
 
 @tp_case("lumina2_8heads_gqa")
 def lumina2_gqa():
     """Grouped-query attention: 8 query heads over 4 KV heads (Lumina2 has 24 over 8)."""
-    from comfy.ldm.lumina.model import NextDiT
-
-    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=8,
-                           n_kv_heads=4, qk_norm=True, cap_feat_dim=64, axes_dims=[8, 12, 12],
-                           axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0,
-                           dtype=torch.float32, operations=OPS), seed=145)
-    x = randn(2, 16, 10, 14, seed=146)
-    return model, (x, torch.tensor([0.3, 0.6]), randn(2, 7, 64, seed=147), 7), {}
+    return next_dit_case(8, 4, [8, 12, 12], LUMINA2, seed=145)
 
 
 @tp_case("z_image_4heads")
 def z_image_4heads():
-    from comfy.ldm.lumina.model import NextDiT
-
-    model = seeded(NextDiT(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=1, n_heads=4,
-                           n_kv_heads=4, qk_norm=True, cap_feat_dim=64, axes_dims=[16, 24, 24],
-                           axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
-                           z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32,
-                           dtype=torch.float32, operations=OPS), seed=148)
-    x = randn(2, 16, 10, 14, seed=149)
-    return model, (x, torch.tensor([0.4, 0.8]), randn(2, 7, 64, seed=150), 7), {}
+    return next_dit_case(4, 4, [16, 24, 24], Z_IMAGE, seed=148)
