@@ -17,9 +17,23 @@ OPS = comfy.ops.disable_weight_init
 CASES = {}
 
 
-def case(name):
+def available(module: str | None) -> bool:
+    """Whether this ComfyUI has ``module`` (families newer than 0.3.75 are only registered where
+    their classes exist: there is nothing to shard elsewhere)."""
+    if module is None:
+        return True
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing too
+        return False
+
+
+def case(name, needs: str | None = None):
     def register(fn):
-        CASES[name] = fn
+        if available(needs):
+            CASES[name] = fn
         return fn
     return register
 
@@ -269,9 +283,10 @@ def ltxv_keyframe():
 TP_CASES = {}
 
 
-def tp_case(name):
+def tp_case(name, needs: str | None = None):
     def register(fn):
-        TP_CASES[name] = fn
+        if available(needs):
+            TP_CASES[name] = fn
         return fn
     return register
 
@@ -360,3 +375,15 @@ def lumina2_gqa():
 @tp_case("z_image_4heads")
 def z_image_4heads():
     return next_dit_case(4, 4, [16, 24, 24], Z_IMAGE, seed=148)
+
+
+# Families newer than ComfyUI 0.3.75, one module each beside this one, registered where their classes exist.
+for _cases, _needs in (("families_cogvideo", "comfy.ldm.cogvideo.model"),
+                       ("families_kandinsky5", "comfy.ldm.kandinsky5.model"),
+                       ("families_krea2", "comfy.ldm.krea2.model")):
+    if available(_needs):
+        import importlib
+
+        _module = importlib.import_module(_cases)
+        CASES.update(_module.CASES)
+        TP_CASES.update(_module.TP_CASES)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import PACK, cpu_world
+from families import available
 from parallel_runtime.plans import find_plan
 from parallel_runtime.plans.base import PlanMismatch, comfyui_release
 from tiny_models import TinyWan, build_wan_model
@@ -75,3 +76,20 @@ def test_a_block_called_with_an_argument_the_plan_does_not_know_is_refused(runti
     print(f"\n{message}")
     assert message.startswith("Wan 2.1 / 2.2: blocks.1 (WanAttentionBlock) was called with 'token_mask'")
     assert comfyui_release() in message and "Refused rather than computing a wrong result" in message
+
+
+@pytest.mark.skipif(not available("comfy.ldm.krea2.model"), reason="Krea 2 exists from ComfyUI 0.33 on")
+def test_an_absolute_token_position_is_refused_by_name(runtime):
+    """Krea 2's index_timestep_zero reference method switches the modulation at an absolute
+    token position, which no chunk can follow: refused at the first block, never computed."""
+    from families_krea2 import krea2_reference
+
+    model, args, kwargs = krea2_reference("index_timestep_zero")
+    world = cpu_world(runtime, dict(ulysses_size=2))
+    # Every rank refuses at its first block; rank 0's own refusal or a worker's is reported first.
+    with torch.inference_mode(), pytest.raises(RuntimeError) as info:
+        world.forward(model, find_plan(model), model._forward, args, {**kwargs, "transformer_options": {}})
+    message = str(info.value)
+    print(f"\n{message[-600:]}")
+    assert "Krea 2: blocks.0 (SingleStreamBlock) was called with 'timestep_zero_index'" in message
+    assert "Refused rather than computing a wrong result" in message

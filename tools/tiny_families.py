@@ -11,6 +11,7 @@ prompt embeddings written next to them.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,8 @@ class TinyFamily:
     latent: dict              # the empty-latent node of the workflow
     prompt: str = PROMPT      # which prompt dataset
     constructor_only: dict = field(default_factory=dict)  # arguments the detection sets itself (not stated)
+    needs: str | None = None  # the module a family newer than ComfyUI 0.3.75 needs
+    denoise: float = 1.0      # KSampler's denoise
 
     def build(self) -> torch.nn.Module:
         import comfy.ops
@@ -53,7 +56,7 @@ class TinyFamily:
 FLUX_LIKE = dict(mlp_ratio=4.0, num_heads=4, depth=2, depth_single_blocks=2, axes_dim=[16, 24, 24], theta=10000,
                  qkv_bias=True, hidden_size=256)
 
-FAMILIES = {
+ALL_FAMILIES = {
     "flux": TinyFamily("comfy.ldm.flux.model.Flux",
                        dict(FLUX_LIKE, in_channels=16, out_channels=16, vec_in_dim=TEXT_DIM, context_in_dim=TEXT_DIM,
                             patch_size=2, guidance_embed=True),
@@ -97,7 +100,40 @@ FAMILIES = {
                                axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0,
                                z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32),
                           IMAGE_LATENT),
+    # ComfyUI 0.33 on:
+    "cogvideox": TinyFamily("comfy.ldm.cogvideo.model.CogVideoXTransformer3DModel",
+                            dict(num_attention_heads=4, attention_head_dim=64, in_channels=16, out_channels=16,
+                                 time_embed_dim=128, text_embed_dim=TEXT_DIM, num_layers=3, patch_size=2,
+                                 use_rotary_positional_embeddings=True),
+                            # Its zero-terminal-SNR schedule starts at sigma ~4500, where the latent is that
+                            # large and fp32 resolves 5e-4: one rounding flip in the first step stays as an
+                            # absolute 5e-4. Denoise 0.6 (5 steps' schedule, the last 3) starts lower.
+                            VIDEO_LATENT, needs="comfy.ldm.cogvideo.model", denoise=0.6),
+    "kandinsky5": TinyFamily("comfy.ldm.kandinsky5.model.Kandinsky5",
+                             dict(out_visual_dim=16, in_visual_dim=16, visual_embed_dim=33 * 4, in_text_dim=TEXT_DIM,
+                                  in_text_dim2=TEXT_DIM, time_dim=128, model_dim=256, ff_dim=1024,
+                                  patch_size=[1, 2, 2], num_text_blocks=1, num_visual_blocks=3,
+                                  axes_dims=[16, 24, 24]),
+                             VIDEO_LATENT, prompt=PROMPT_POOLED, needs="comfy.ldm.kandinsky5.model"),
+    "krea2": TinyFamily("comfy.ldm.krea2.model.SingleStreamDiT",
+                        dict(features=256, tdim=256, txtdim=TEXT_DIM, heads=4, kvheads=2, multiplier=4, layers=3,
+                             patch=2, channels=16, txtlayers=1, txtheads=4, txtkvheads=4),
+                        dict(VIDEO_LATENT, inputs=dict(VIDEO_LATENT["inputs"], length=1)),
+                        needs="comfy.ldm.krea2.model"),
 }
+
+
+def _available(module: str | None) -> bool:
+    if module is None:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+# The families this ComfyUI has.
+FAMILIES = {name: spec for name, spec in ALL_FAMILIES.items() if _available(spec.needs)}
 
 
 def file_name(family: str) -> str:
@@ -107,7 +143,7 @@ def file_name(family: str) -> str:
 def family_state_dict(family: str, seed: int = 200) -> tuple[dict, dict]:
     spec = FAMILIES[family]
     model = spec.build()
-    _seeded_([p for _, p in sorted(model.named_parameters())], seed + sorted(FAMILIES).index(family), scale=0.03)
+    _seeded_([p for _, p in sorted(model.named_parameters())], seed + sorted(ALL_FAMILIES).index(family), scale=0.03)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     return stating_config(sd, "transformer", spec.config)
 
@@ -152,5 +188,6 @@ def family_prompt(family: str, parallel: dict | None) -> dict:
         model = ["3", 0]
     prompt["7"] = {"class_type": "KSampler", "inputs": {"model": model, "positive": ["4", 1], "negative": ["5", 0],
                                                         "latent_image": ["6", 0], "seed": 11, "steps": 3, "cfg": 3.0,
-                                                        "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}}
+                                                        "sampler_name": "euler", "scheduler": "simple",
+                                                        "denoise": spec.denoise}}
     return prompt
