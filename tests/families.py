@@ -380,10 +380,47 @@ def z_image_4heads():
 # Families newer than ComfyUI 0.3.75, one module each beside this one, registered where their classes exist.
 for _cases, _needs in (("families_cogvideo", "comfy.ldm.cogvideo.model"),
                        ("families_kandinsky5", "comfy.ldm.kandinsky5.model"),
-                       ("families_krea2", "comfy.ldm.krea2.model")):
+                       ("families_krea2", "comfy.ldm.krea2.model"),
+                       ("families_joyimage", "comfy.ldm.joyimage.model")):
     if available(_needs):
         import importlib
 
         _module = importlib.import_module(_cases)
         CASES.update(_module.CASES)
         TP_CASES.update(_module.TP_CASES)
+
+
+def chroma_radiance_case(heads, axes_dim, seed, head_type, tile, newer, size, scale=0.05):
+    """Chroma Radiance over pixels in 4 x 4 patches (35 patch tokens), its NeRF head per patch;
+    ``newer``: 0.33's x0 output and sequential text ids, given where this ComfyUI has them."""
+    import dataclasses
+
+    from comfy.ldm.chroma_radiance.model import ChromaRadiance, ChromaRadianceParams
+
+    fields = {f.name for f in dataclasses.fields(ChromaRadianceParams)}
+    extra = {k: v for k, v in newer.items() if k in fields}
+    model = seeded(make(ChromaRadiance, image_model="chroma_radiance", in_channels=3, out_channels=3,
+                        context_in_dim=64, hidden_size=256, mlp_ratio=4.0, num_heads=heads, depth=2,
+                        depth_single_blocks=2, axes_dim=axes_dim, theta=10000, patch_size=4, qkv_bias=True,
+                        in_dim=64, out_dim=256, hidden_dim=128, n_layers=2, nerf_hidden_size=32, nerf_mlp_ratio=2,
+                        nerf_depth=2, nerf_max_freqs=4, nerf_tile_size=tile, nerf_final_head_type=head_type,
+                        nerf_embedder_dtype=torch.float32, dtype=torch.float32, device="cpu", operations=OPS,
+                        **extra), seed=seed, scale=scale)
+    x = randn(2, 3, *size, seed=seed + 1)
+    return model, (x, torch.tensor([0.5, 0.9]), randn(2, 7 if heads == 2 else 9, 64, seed=seed + 2), torch.zeros(2)), {}
+
+
+@case("chroma_radiance")
+def chroma_radiance():
+    """Conv final head, NeRF in tiles of 16 patches, 18 x 27 pixels padded to whole patches by the
+    model. Weights at scale 0.1: at 0.05 the NeRF head's normalised weights hide most of what
+    attention changes (local-only attention would move the output by only 0.15%)."""
+    return chroma_radiance_case(2, [16, 56, 56], seed=150, head_type="conv", tile=16,
+                                newer={"use_x0": False, "use_sequential_txt_ids": True}, size=(18, 27), scale=0.1)
+
+
+@tp_case("chroma_radiance_4heads")
+def chroma_radiance_4heads():
+    """Linear final head, NeRF untiled, the x0 output (20 x 28 pixels: it needs whole patches)."""
+    return chroma_radiance_case(4, [16, 24, 24], seed=155, head_type="linear", tile=0,
+                                newer={"use_x0": True, "use_sequential_txt_ids": False}, size=(20, 28))

@@ -25,7 +25,8 @@ BYTES_LIMIT = {2: 0.55, 4: 0.30}
 BYTES_CHECKED = {"wan21_t2v_4heads", "wan22_per_frame_t_4heads", "flux1_4heads_kontext_controlnet", "flux2_4heads",
                  "qwen_image_4heads_controlnet", "wan_vace_4heads", "chroma_4heads_controlnet",
                  "ltxv_4heads_per_token_timestep", "lumina2_8heads_gqa", "z_image_4heads", "cogvideox_4heads",
-                 "cogvideox15_i2v_ofs_4heads", "kandinsky5_4heads", "krea2_4heads"}
+                 "cogvideox15_i2v_ofs_4heads", "kandinsky5_4heads", "krea2_4heads", "joyimage_4heads",
+                 "chroma_radiance_4heads"}
 
 
 @pytest.fixture(scope="module", params=list(MESHES))

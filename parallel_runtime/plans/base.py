@@ -87,11 +87,14 @@ class Split:
 @dataclass(frozen=True)
 class Gather:
     """Gather a module's output back to the full stream along ``dim``
-    (``segments``: the output holds these streams back to back)."""
+    (``segments``: the output holds these streams back to back). ``keep_local``: segments
+    left as this rank's chunk, for a model that drops them itself by their local length
+    (Chroma Radiance slices the text off the joint stream with the text chunk's length)."""
 
     dim: int = 1
     stream: str = MAIN_STREAM
     segments: tuple[str, ...] | None = None
+    keep_local: tuple[str, ...] = ()
 
 
 # The ComfyUI releases the whole test suite runs on (tools/host.py installs each).
@@ -236,8 +239,8 @@ class ForwardContext:
         if spec.segments:
             shards = [self._stream(s, "gather") for s in spec.segments]
             locals_ = torch.split(t, [s.chunk for s in shards], dim=spec.dim)
-            return torch.cat([gather_chunks(part, spec.dim, s, group) for part, s in zip(locals_, shards)],
-                             dim=spec.dim)
+            return torch.cat([part if name in spec.keep_local else gather_chunks(part, spec.dim, s, group)
+                              for part, s, name in zip(locals_, shards, spec.segments)], dim=spec.dim)
         shard = self.streams.get(spec.stream)
         if shard is None:
             return t

@@ -1,0 +1,72 @@
+"""JoyImage (``comfy.ldm.joyimage.model.JoyImageTransformer3DModel``, ComfyUI 0.33 on): double-stream blocks only.
+
+- The patch embedding (a 3D convolution) and the text projection run whole on every
+  rank. Streams ``img`` (``hidden_states``) and ``txt`` (``encoder_hidden_states``) are
+  cut where they enter ``double_blocks.0``; every block returns its ``(img, txt)`` chunks.
+- Attention is joint over ``[img, txt]`` (image first) in every block's ``attn``; the
+  q/k RMSNorm and RoPE (``comfy_kitchen.rms_rope``) are applied before ComfyUI's
+  attention call, and the block splits the output with its own (local) image length.
+- ``image_rotary_emb`` (3D RoPE, ``[1, N_img, 1, D/2, 2, 2]``, tokens on dim 1) covers
+  the image only: cut on dim 1 with it at every block. ``temb`` (the 6-way modulation
+  plus each block's learned table) is one row per sample: passed, not cut.
+- After the blocks the model keeps the first ``t * h * w`` image tokens (an absolute
+  count, identity on a chunk when there are no reference tokens), then ``norm_out`` and
+  ``proj_out`` are per token: ``proj_out``'s output is gathered before unpatchify.
+- Not ``ref_latents``: the reference tokens ride in the ``img`` stream, but the model
+  cuts them off by their absolute count *before* its final layer, on the tuple a block
+  returns (no module output the plan can gather there): refused by name.
+
+Tensor parallelism cuts the heads of every block (the fused img/txt qkv by segment,
+the output projections by rows; the q/k RMSNorms are per head and need nothing) and
+both GELU feed-forwards (columns, then rows). The timestep MLP and the text projection
+are column/row pairs; the shared 6-way modulation projection ``time_proj`` is
+column-parallel, gathered. The patch convolution and ``proj_out`` stay whole.
+"""
+from __future__ import annotations
+
+from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .base import ContextParallelPlan, Gather, ModelPlan, Split
+
+JOINT = ("img", "txt")
+BLOCKS = "double_blocks"
+
+TENSOR_PARALLEL = TensorParallelPlan(
+    layers={
+        **{f"{BLOCKS}.*.attn.{s}_attn_qkv": Colwise(segments=3) for s in ("img", "txt")},
+        **{f"{BLOCKS}.*.attn.{s}_attn_proj": Rowwise() for s in ("img", "txt")},
+        **{f"{BLOCKS}.*.{s}_mlp.net.0.proj": Colwise() for s in ("img", "txt")},
+        **{f"{BLOCKS}.*.{s}_mlp.net.2": Rowwise() for s in ("img", "txt")},
+        "condition_embedder.time_embedder.linear_1": Colwise(),
+        "condition_embedder.time_embedder.linear_2": Rowwise(),
+        "condition_embedder.time_proj": Colwise(gather=True),
+        "condition_embedder.text_embedder.linear_1": Colwise(),
+        "condition_embedder.text_embedder.linear_2": Rowwise(),
+    },
+    divide={f"{BLOCKS}.*.attn": ("num_attention_heads",)},
+    divisible={"MLP width": f"{BLOCKS}.0.img_mlp.net.2.in_features",
+               "time embedding width": "condition_embedder.time_embedder.linear_1.out_features"},
+)
+
+PLAN = ModelPlan(
+    family="joyimage",
+    title="JoyImage",
+    classes=("comfy.ldm.joyimage.model.JoyImageTransformer3DModel",),
+    heads_attr=f"{BLOCKS}.0.attn.num_attention_heads",
+    context_parallel=ContextParallelPlan(
+        inputs={
+            f"{BLOCKS}.0": (Split("hidden_states", dim=1, stream="img", starts_stream=True),
+                            Split("encoder_hidden_states", dim=1, stream="txt", starts_stream=True)),
+            f"{BLOCKS}.*": (Split("image_rotary_emb", dim=1, stream="img"),),
+        },
+        outputs={"proj_out": Gather(dim=1, stream="img")},
+        attention={f"{BLOCKS}.*.attn": JOINT},
+        unsupported={"ref_latents": "the model drops the reference tokens by their absolute count before its final "
+                                    "layer, where no module output can be gathered"},
+        # The streams once cut (``img`` / ``txt`` inside attention), the cut RoPE table inside
+        # attention, and the per-sample modulation vector.
+        passed=frozenset({"hidden_states", "encoder_hidden_states", "temb", "img", "txt", "image_rotary_emb"}),
+    ),
+    notes="Text-to-image; not reference latents (edit), refused by name.",
+    tensor_parallel=TENSOR_PARALLEL,
+    tested_on=("0.33.0",),
+)
