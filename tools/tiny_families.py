@@ -120,6 +120,24 @@ ALL_FAMILIES = {
                              patch=2, channels=16, txtlayers=1, txtheads=4, txtkvheads=4),
                         dict(VIDEO_LATENT, inputs=dict(VIDEO_LATENT["inputs"], length=1)),
                         needs="comfy.ldm.krea2.model"),
+    "joyimage": TinyFamily("comfy.ldm.joyimage.model.JoyImageTransformer3DModel",
+                           # Two heads of 128: ComfyUI fixes the RoPE axes (16, 56, 56) after detection.
+                           dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=256, num_attention_heads=2,
+                                text_dim=TEXT_DIM, mlp_width_ratio=4.0, num_layers=3, rope_dim_list=[16, 56, 56],
+                                theta=10000),
+                           dict(VIDEO_LATENT, inputs=dict(VIDEO_LATENT["inputs"], length=1)),
+                           needs="comfy.ldm.joyimage.model"),
+    # Pixel space: 8 x 8 patches of an 80 x 112 image, 35 tokens.
+    "chroma_radiance": TinyFamily("comfy.ldm.chroma_radiance.model.ChromaRadiance",
+                                  dict(FLUX_LIKE, in_channels=3, out_channels=3, context_in_dim=TEXT_DIM, patch_size=8,
+                                       in_dim=64, out_dim=256, hidden_dim=256, n_layers=2, nerf_hidden_size=32,
+                                       nerf_mlp_ratio=2, nerf_depth=2, nerf_max_freqs=4, nerf_tile_size=0,
+                                       nerf_final_head_type="linear"),
+                                  {"class_type": "EmptyChromaRadianceLatentImage",
+                                   "inputs": {"width": 80, "height": 112, "batch_size": 1}},
+                                  prompt=PROMPT_POOLED,
+                                  constructor_only={"image_model": "chroma_radiance",
+                                                    "nerf_embedder_dtype": torch.float32}),
 }
 
 

@@ -44,8 +44,10 @@ class TinyWan:
 
 # Parameters newer ComfyUI releases require of a model's params dataclass, with the value that keeps
 # the older behaviour (0.33.0: Flux's and Chroma's txt_ids_dims, Chroma's vec_in_dim, HunyuanVideo's
-# meanflow_sum). Older releases do not know them and do not get them.
-OLDER_BEHAVIOUR = {"txt_ids_dims": [], "meanflow_sum": False, "vec_in_dim": None}
+# meanflow_sum, Chroma Radiance's use_x0 and use_sequential_txt_ids). Older releases do not know them and do
+# not get them.
+OLDER_BEHAVIOUR = {"txt_ids_dims": [], "meanflow_sum": False, "vec_in_dim": None, "use_x0": False,
+                   "use_sequential_txt_ids": False}
 
 
 def make(cls, **kwargs):
