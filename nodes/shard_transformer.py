@@ -109,7 +109,9 @@ class ShardTransformerNode(io.ComfyNode):
             raise ConfigError(f"{NODE}: parallel_config must come from a Parallel Config node, got "
                               f"{type(parallel_config).__name__}")
         verify = requested(verify_first_step)
-        if verify and parallel_config.tp_size > 1:
+        if verify and parallel_config.tp_size > 1 and not verify_first_step:
+            verify = False  # the environment switch checks what can be checked; TP runs go unchecked
+        elif verify and parallel_config.tp_size > 1:
             raise ConfigError(f"{NODE}: verify_first_step=True is not available with tp_size={parallel_config.tp_size}: "
                               "the whole model is never on the device with tensor parallelism, so there is no "
                               "unsharded step to compare with. Check with tp_size 1 (Ulysses or Ring run the same "

@@ -44,6 +44,12 @@ def test_a_sharded_step_that_differs_stops_the_prompt(runtime, monkeypatch):
     assert not runtime.status()["first_step_check"]["ok"]
 
 
-def test_the_check_is_refused_with_tensor_parallelism():
+def test_the_check_is_refused_with_tensor_parallelism(monkeypatch):
     with pytest.raises(config_mod.ConfigError, match="verify_first_step=True is not available with tp_size=2"):
         sharded(True, tp_size=2)
+    # Switched on for every model through the environment, TP models are left unchecked, not refused.
+    monkeypatch.setenv("PARALLEL_VERIFY_FIRST_STEP", "1")
+    model = sharded(False, tp_size=2)
+    forward = model.get_wrappers(PACK.parallel_runtime.comfy_wrappers.DIFFUSION_MODEL,
+                                 PACK.parallel_runtime.comfy_wrappers.WRAPPER_KEY)[0]
+    assert forward.first_step is None
