@@ -9,9 +9,10 @@ I2V, 1.5 and HunyuanImage 2.1 variants; the T2V model is what the tests cover).
   sequence and the final slice too): the plan reads the order off the model's blocks.
 - After the single blocks, image first (0.3.x), the model slices the image out with the
   *global* image length, so the joint sequence is gathered at the last single block. Text
-  first (0.33), it slices with the *local* text length, like Flux: ``final_layer`` sees
-  this rank's image chunk and its output is gathered; reference latents are then cut off
-  by their absolute length, which a chunk cannot do (refused there).
+  first (0.33), it slices with the *local* text length and the global image length, then
+  cuts reference latents off by their absolute length: the image part is gathered at the last
+  single block and the text part left local, so the slice yields the whole image and the
+  cut is exact (``final_layer``, per token and small, then runs whole on every rank).
 - Not yet: ControlNet residuals (added with the global image length inside the
   single-block loop) and the I2V "guiding frame" modulation (absolute token ranges).
 """
@@ -59,8 +60,7 @@ def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
             },
             passed=FLUX_BLOCK_ARGS,
         ),
-        notes=("HunyuanVideo T2V; reference latents on 0.3.x (refused on 0.33, which places them by absolute "
-               "count); not ControlNet or the I2V guiding frame."),
+        notes="HunyuanVideo T2V, reference latents; not ControlNet or the I2V guiding frame.",
         # Flux's block classes: the same tensor-parallel layout; the patch embedding (a convolution)
         # stays whole. The text token refiner's blocks are cut like them.
         tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True, embeddings=False,
@@ -71,9 +71,11 @@ def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
 
 # ComfyUI up to 0.3.x: blocks built with flipped_img_txt.
 IMAGE_FIRST = _plan(("img", "txt"), {"single_blocks.-1": Gather(dim=1, segments=("img", "txt"))}, {})
-# ComfyUI 0.33 on: no flag, text first like Flux.
-TEXT_FIRST = _plan(("txt", "img"), {"final_layer": Gather(dim=1, stream="img")},
-                   {"ref_latent": "after the blocks ComfyUI 0.33 cuts the reference tokens off by their absolute count"})
+# ComfyUI 0.33 on: no flag, text first. The image is gathered at the last single block and the
+# text left as this rank's chunk, so that the model's slice (local text length, global image
+# length) leaves the whole image, from which it cuts reference latents by their absolute count.
+TEXT_FIRST = _plan(("txt", "img"),
+                   {"single_blocks.-1": Gather(dim=1, segments=("txt", "img"), keep_local=("txt",))}, {})
 
 
 def _joint_order(model) -> ModelPlan:
