@@ -28,7 +28,7 @@ def joyimage():
 
 
 def joyimage_reference():
-    """An edit reference latent (3 x 3 tokens after the image): refused under context parallelism."""
+    """An edit reference latent (3 x 3 tokens after the image), which the model cuts off by count."""
     x = randn(2, 16, 1, 10, 14, seed=176)
     kwargs = {"ref_latents": [randn(2, 16, 1, 6, 6, seed=177)]}
     return joyimage_model(2, seed=175), (x, torch.tensor([600.0, 400.0]), randn(2, 7, TEXT_DIM, seed=178)), kwargs

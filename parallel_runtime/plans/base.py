@@ -87,7 +87,8 @@ class Split:
 @dataclass(frozen=True)
 class Gather:
     """Gather a module's output back to the full stream along ``dim``
-    (``segments``: the output holds these streams back to back). ``keep_local``: segments
+    (``segments``: the output holds these streams back to back; ``item``: element ``item`` of a
+    tuple output). ``keep_local``: segments
     left as this rank's chunk, for a model that drops them itself by their local length
     (Chroma Radiance slices the text off the joint stream with the text chunk's length)."""
 
@@ -95,6 +96,7 @@ class Gather:
     stream: str = MAIN_STREAM
     segments: tuple[str, ...] | None = None
     keep_local: tuple[str, ...] = ()
+    item: int | None = None  # the output is a tuple (a block returning (img, txt)): gather this element
 
 
 # The ComfyUI releases the whole test suite runs on (tools/host.py installs each).
@@ -382,7 +384,11 @@ def _split_hook(ctx: ForwardContext, splits: tuple[Split, ...], site: str):
 
 def _gather_hook(ctx: ForwardContext, spec: Gather):
     def hook(module, args, output):
-        return ctx.gather(output, spec)
+        if spec.item is None:
+            return ctx.gather(output, spec)
+        items = list(output)
+        items[spec.item] = ctx.gather(items[spec.item], spec)
+        return tuple(items)
     return hook
 
 

@@ -9,12 +9,10 @@
 - ``image_rotary_emb`` (3D RoPE, ``[1, N_img, 1, D/2, 2, 2]``, tokens on dim 1) covers
   the image only: cut on dim 1 with it at every block. ``temb`` (the 6-way modulation
   plus each block's learned table) is one row per sample: passed, not cut.
-- After the blocks the model keeps the first ``t * h * w`` image tokens (an absolute
-  count, identity on a chunk when there are no reference tokens), then ``norm_out`` and
-  ``proj_out`` are per token: ``proj_out``'s output is gathered before unpatchify.
-- Not ``ref_latents``: the reference tokens ride in the ``img`` stream, but the model
-  cuts them off by their absolute count *before* its final layer, on the tuple a block
-  returns (no module output the plan can gather there): refused by name.
+- Reference latents (edit) ride at the end of the ``img`` stream. After the blocks the
+  model keeps the first ``t * h * w`` image tokens, an absolute count a chunk cannot
+  follow: the image is gathered from the last block's ``(img, txt)`` output, and
+  ``norm_out`` / ``proj_out`` (per token, small) run whole on every rank.
 
 Tensor parallelism cuts the heads of every block (the fused img/txt qkv by segment,
 the output projections by rows; the q/k RMSNorms are per head and need nothing) and
@@ -58,15 +56,15 @@ PLAN = ModelPlan(
                             Split("encoder_hidden_states", dim=1, stream="txt", starts_stream=True)),
             f"{BLOCKS}.*": (Split("image_rotary_emb", dim=1, stream="img"),),
         },
-        outputs={"proj_out": Gather(dim=1, stream="img")},
+        # The model drops reference tokens by their absolute count after the blocks: the image is
+        # gathered from the last block's (img, txt) and the final layer runs whole on every rank.
+        outputs={f"{BLOCKS}.-1": Gather(dim=1, stream="img", item=0)},
         attention={f"{BLOCKS}.*.attn": JOINT},
-        unsupported={"ref_latents": "the model drops the reference tokens by their absolute count before its final "
-                                    "layer, where no module output can be gathered"},
         # The streams once cut (``img`` / ``txt`` inside attention), the cut RoPE table inside
         # attention, and the per-sample modulation vector.
         passed=frozenset({"hidden_states", "encoder_hidden_states", "temb", "img", "txt", "image_rotary_emb"}),
     ),
-    notes="Text-to-image; not reference latents (edit), refused by name.",
+    notes="Text-to-image and edit (reference latents).",
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
 )
