@@ -6,6 +6,9 @@ ComfyUI's batched cond + uncond, so the cfg dimension has something to split.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import torch
 
 import comfy.ops
@@ -22,8 +25,6 @@ def available(module: str | None) -> bool:
     their classes exist: there is nothing to shard elsewhere)."""
     if module is None:
         return True
-    import importlib.util
-
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # its parent package is missing too
@@ -383,8 +384,6 @@ for _cases, _needs in (("families_cogvideo", "comfy.ldm.cogvideo.model"),
                        ("families_krea2", "comfy.ldm.krea2.model"),
                        ("families_joyimage", "comfy.ldm.joyimage.model")):
     if available(_needs):
-        import importlib
-
         _module = importlib.import_module(_cases)
         CASES.update(_module.CASES)
         TP_CASES.update(_module.TP_CASES)
