@@ -406,16 +406,8 @@ def _norm_hook(group, size: int):
     return hook
 
 
-def _slice_input(value, spec: SliceInput, rank: int, size: int, memo: dict):
-    if spec.item is not None:
-        if not (isinstance(value, tuple) and len(value) > spec.item and isinstance(value[spec.item], torch.Tensor)):
-            return None
-        items = list(value)
-        items[spec.item] = _slice_input(items[spec.item], SliceInput(spec.arg, spec.dim), rank, size, memo)
-        return tuple(items)
-    if not isinstance(value, torch.Tensor):
-        return None
-    found = memo.get(id(value))
+def _slice_input(value: torch.Tensor, spec: SliceInput, rank: int, size: int, memo: dict) -> torch.Tensor:
+    found = memo.get((id(value), spec.dim))
     if found is not None and found[0] is value:
         return found[1]
     total = value.shape[spec.dim]
@@ -424,27 +416,18 @@ def _slice_input(value, spec: SliceInput, rank: int, size: int, memo: dict):
                                   f"which do not divide by tp_size {size}")
     part = total // size
     out = value.narrow(spec.dim, rank * part, part)
-    memo[id(value)] = (value, out)  # the same table reaches every block: cut it once
+    memo[(id(value), spec.dim)] = (value, out)  # the same table reaches every block: cut it once
     return out
 
 
 def _slice_inputs_hook(specs: tuple[SliceInput, ...], rank: int, size: int, memo: dict):
-    def hook(module, args, kwargs):
-        from .plans.base import _position_of
+    from .plans.base import on_item, replace_arguments
 
-        args = list(args)
-        for spec in specs:
-            if spec.arg in kwargs:
-                cut = _slice_input(kwargs[spec.arg], spec, rank, size, memo)
-                if cut is not None:
-                    kwargs[spec.arg] = cut
-                continue
-            pos = _position_of(module, spec.arg)
-            if pos is not None and pos < len(args):
-                cut = _slice_input(args[pos], spec, rank, size, memo)
-                if cut is not None:
-                    args[pos] = cut
-        return tuple(args), kwargs
+    def cut(value, spec):
+        return on_item(value, spec.item, lambda t: _slice_input(t, spec, rank, size, memo))
+
+    def hook(module, args, kwargs):
+        return replace_arguments(module, args, kwargs, specs, cut)
     return hook
 
 

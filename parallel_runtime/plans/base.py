@@ -312,7 +312,7 @@ def check_supported_arguments(plan: "ModelPlan", bound) -> None:
 _SIGNATURES: "weakref.WeakKeyDictionary[type, tuple[list[str], bool, set[str]]]" = weakref.WeakKeyDictionary()
 
 
-def _signature(module: torch.nn.Module) -> tuple[list[str], bool]:
+def _signature(module: torch.nn.Module) -> tuple[list[str], bool, set[str]]:
     """(positional parameters of ``forward`` after self, whether it takes **kwargs, every parameter name)."""
     cls = type(module)
     found = _SIGNATURES.get(cls)
@@ -353,42 +353,48 @@ def _guard_hook(plan: "ModelPlan", known: frozenset[str], site: str):
     return hook
 
 
-def _cut_value(ctx: ForwardContext, value, spec: Split, site: str):
-    """``value`` with its tokens cut per ``spec``, or None when the spec does not apply to it."""
-    if spec.item is None:
-        return ctx.split(value, spec, site) if isinstance(value, torch.Tensor) else None
-    if isinstance(value, tuple) and len(value) > spec.item and isinstance(value[spec.item], torch.Tensor):
+def on_item(value, item: int | None, fn):
+    """``fn(value)`` for a tensor (``item`` None) or the tuple with ``fn`` applied to element
+    ``item``; None where the form does not match (so specs for both forms can stand side by side)."""
+    if item is None:
+        return fn(value) if isinstance(value, torch.Tensor) else None
+    if isinstance(value, tuple) and len(value) > item and isinstance(value[item], torch.Tensor):
         items = list(value)
-        items[spec.item] = ctx.split(items[spec.item], spec, site)
+        items[item] = fn(items[item])
         return tuple(items)
     return None
 
 
+def replace_arguments(module, args, kwargs, specs, cut):
+    """A forward pre-hook's (args, kwargs) with each ``spec.arg`` replaced by ``cut(value, spec)``
+    (by keyword or by its position in ``forward``), where that is not None."""
+    args = list(args)
+    for spec in specs:
+        if spec.arg in kwargs:
+            new = cut(kwargs[spec.arg], spec)
+            if new is not None:
+                kwargs[spec.arg] = new
+            continue
+        pos = _position_of(module, spec.arg)
+        if pos is not None and pos < len(args):
+            new = cut(args[pos], spec)
+            if new is not None:
+                args[pos] = new
+    return tuple(args), kwargs
+
+
 def _split_hook(ctx: ForwardContext, splits: tuple[Split, ...], site: str):
+    def cut(value, spec):
+        return on_item(value, spec.item, lambda t: ctx.split(t, spec, site))
+
     def hook(module, args, kwargs):
-        args = list(args)
-        for spec in splits:
-            if spec.arg in kwargs:
-                cut = _cut_value(ctx, kwargs[spec.arg], spec, site)
-                if cut is not None:
-                    kwargs[spec.arg] = cut
-                continue
-            pos = _position_of(module, spec.arg)
-            if pos is not None and pos < len(args):
-                cut = _cut_value(ctx, args[pos], spec, site)
-                if cut is not None:
-                    args[pos] = cut
-        return tuple(args), kwargs
+        return replace_arguments(module, args, kwargs, splits, cut)
     return hook
 
 
 def _gather_hook(ctx: ForwardContext, spec: Gather):
     def hook(module, args, output):
-        if spec.item is None:
-            return ctx.gather(output, spec)
-        items = list(output)
-        items[spec.item] = ctx.gather(items[spec.item], spec)
-        return tuple(items)
+        return on_item(output, spec.item, lambda t: ctx.gather(t, spec))
     return hook
 
 
