@@ -110,6 +110,14 @@ class ShardedPatcherMixin:
             return super().model_size()
         return sharding.device_bytes()
 
+    def clone(self, *args, **kwargs):
+        # Some patcher classes reset the class of their clones (ComfyUI-GGUF's sets its own):
+        # a LoRA loader after the shard node must still get a sharded patcher.
+        clone = super().clone(*args, **kwargs)
+        if type(clone) is not type(self) and isinstance(self, type(clone)):
+            clone.__class__ = type(self)
+        return clone
+
     def get_ram_usage(self):
         sharding = self._sharding()
         return super().get_ram_usage() if sharding is None else sharding.model_bytes
@@ -117,10 +125,13 @@ class ShardedPatcherMixin:
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
         sharding = self._sharding()
         if sharding is None or not sharding.keep_off_device:
-            out = super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, **kwargs)
+            # Keywords: some patchers (ComfyUI-GGUF's) take force_patch_weights by keyword only.
+            out = super().load(device_to, lowvram_model_memory, force_patch_weights=force_patch_weights,
+                               full_load=full_load, **kwargs)
         else:
             with _withheld(self.model, sharding.paths) as subtrees:
-                out = super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, **kwargs)
+                out = super().load(device_to, lowvram_model_memory, force_patch_weights=force_patch_weights,
+                                   full_load=full_load, **kwargs)
             for subtree in subtrees:
                 if self.offload_device != device_to and _on_device(subtree, device_to):
                     subtree.to(self.offload_device)  # ComfyUI's loader may have put the model on the device
@@ -140,7 +151,7 @@ class ShardedPatcherMixin:
             # model_lowvram set): ComfyUI would take it for loaded and skip ``load``, leaving the
             # full weights on the device. Have it load again, through ours.
             self.model.model_lowvram = True
-        return super().partially_load(device_to, extra_memory, force_patch_weights, **kwargs)
+        return super().partially_load(device_to, extra_memory, force_patch_weights=force_patch_weights, **kwargs)
 
     def detach(self, unpatch_all=True):
         out = super().detach(unpatch_all)

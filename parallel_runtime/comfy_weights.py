@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from . import packed_weights
+
 # Per-process state ComfyUI puts on its layers when it loads a model: what a worker receives
 # is merged already, so this state must not travel with the structure.
 _LOWVRAM_ATTRS = ("weight_function", "bias_function")
@@ -59,6 +61,13 @@ class WeightSource:
                 int(getattr(model, "lowvram_patch_counter", 0)),
                 int(getattr(model, "model_loaded_weight_memory", 0)))
 
+    def packed_patches(self, name: str) -> list:
+        """ComfyUI-GGUF's form of the patches of a packed tensor: ``[(patches, key)]``, applied by
+        its layer when it dequantizes (its patcher never merges them into the stored data)."""
+        key = self.prefix + name
+        patches = self.patcher.patches.get(key)
+        return [(patches, key)] if patches else []
+
     def refuse_unsupported(self, what: str) -> None:
         """Scheduled weight hooks change the weights per step on rank 0 only."""
         patcher = self.patcher
@@ -88,6 +97,9 @@ class WeightSource:
 
         patcher = self.patcher
         key = self.prefix + name
+        if packed_weights.packing(tensor) is not None:  # GGUF: the layer dequantizes and patches it itself
+            on_device = tensor if tensor.device == device else tensor.to(device)
+            return packed_weights.with_patches(on_device, self.packed_patches(name))
         backup = patcher.backup.get(key)
         merged = backup is not None and patcher.model.current_weight_patches_uuid == patcher.patches_uuid
         base = tensor if backup is None or merged else backup.weight

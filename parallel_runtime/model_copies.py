@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import comfy_weights, transport, weight_stream
+from . import comfy_weights, packed_weights, transport, weight_stream
 from .plans import ModelPlan, check_plan_matches
 from .tensor_parallel import build_shard, cut_plan, finish_shard, named_tensors
 
@@ -138,12 +138,27 @@ class ModelCopies:
         owners = comfy_weights.owners(module)
         return lambda name, t: source.weight(name, t, device, owners.get(name))
 
+    @staticmethod
+    def _packed_patches(source, name, t) -> list:
+        """The LoRA patches a packed (GGUF) tensor's layer applies when it dequantizes."""
+        return source.packed_patches(name) if source is not None else list(getattr(t, "patches", None) or ())
+
+    @staticmethod
+    def _dequantize(module, source):
+        """name, packed tensor -> the layer's own dequantization of it (patches applied), in the
+        dtype the model computes in: what TP cuts where a packed tensor cannot be cut as stored."""
+        owners = comfy_weights.owners(module)
+        dtype = (source.compute_dtype() if source is not None else None) or torch.float32
+        return lambda name, w: packed_weights.dequantized(owners[name], w, dtype)
+
     def _send_shared(self, module, plan, source, key, tp, coords):
         """CPU ranks on one host: each worker maps the pages of its module (zero copy)."""
         world = self.world
         weight_of = self._weight_of(module, source, torch.device("cpu"))
         if tp > 1:
-            shards = {c: build_shard(module, plan.tensor_parallel, c, tp, weight_of=weight_of) for c in range(tp)}
+            dequantize = self._dequantize(module, source)
+            shards = {c: build_shard(module, plan.tensor_parallel, c, tp, weight_of=weight_of, dequantize=dequantize)
+                      for c in range(tp)}
             run_module, target_of = shards[coords[0]], (lambda rank: shards[coords[rank]])
         else:
             run_module, target_of = module, (lambda rank: module)
@@ -160,19 +175,45 @@ class ModelCopies:
         """Accelerators and other hosts: a skeleton, then the bytes from rank 0's device."""
         world = self.world
         device = world.device
-        data, tensors = transport.pack_skeleton(module, module_state=comfy_weights.worker_module_state)
         names = {id(t): n for n, t in named_tensors(module)}
         cuts = cut_plan(module, plan.tensor_parallel, tp) if tp > 1 else {}
-        entries = [weight_stream.Entry(tuple(t.shape), t.dtype, cuts.get(id(t))) for t in tensors]
+        dtype = (source.compute_dtype() if source is not None else None) or torch.float32
+        forms = {}  # packed (GGUF) tensors: stored as they are, or dequantized where TP cannot cut them
+        for name, t in named_tensors(module):
+            form = packed_weights.stream_form(t, cuts.get(id(t)), tp, self._packed_patches(source, name, t), dtype)
+            if form is not None:
+                forms[id(t)] = form
+        data, tensors, packed = transport.pack_skeleton(module, module_state=comfy_weights.worker_module_state,
+                                                        forms=forms)
+        entries = []
+        for i, t in enumerate(tensors):
+            origin = packed.get(i)
+            if origin is not None:  # a packed tensor's stored data
+                cut = cuts.get(id(origin))
+                entries.append(weight_stream.Entry(tuple(t.shape), t.dtype,
+                                                   packed_weights.stored_cut(cut, origin) if cut else None))
+            elif id(t) in forms:  # dequantized
+                entries.append(weight_stream.Entry(packed_weights.logical_shape(t), forms[id(t)].dtype,
+                                                   cuts.get(id(t))))
+            else:
+                entries.append(weight_stream.Entry(tuple(t.shape), t.dtype, cuts.get(id(t))))
         wire = [e.wire() for e in entries]
         for w in world.workers:
             w.conn.send(("load_stream", key, plan.family, data, wire, (coords[w.rank], tp), self.transport,
                          weight_stream.BUCKET_BYTES))
         weight_of = self._weight_of(module, source, device)
+        dequantize = self._dequantize(module, source)
 
         def weight(i):
             t = tensors[i]
-            return weight_of(names.get(id(t)), t)
+            if i in packed:
+                return t if t.device == device else t.to(device)
+            name = names.get(id(t))
+            if id(t) in forms:
+                form = forms[id(t)]
+                on_device = t.to(device)
+                return dequantize(name, packed_weights.with_patches(on_device, list(form.patches)))
+            return weight_of(name, t)
 
         kept = weight_stream.send(entries, weight, self._channel(), device, tp, coords,
                                   keep_coord=coords[0] if tp > 1 else None)

@@ -243,20 +243,25 @@ def _identity(t):
 
 
 def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size: int,
-                weight_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> torch.nn.Module:
+                weight_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                dequantize: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> torch.nn.Module:
     """A copy of ``root`` holding TP rank ``rank``'s slices of the planned layers.
 
     ``weight_of(name, tensor)`` gives each tensor as the forward would use it (ComfyUI's LoRA
     patches applied; see ``comfy_weights``); by default the tensor itself. A replicated tensor
-    that it returns unchanged is shared with ``root``, not copied.
+    that it returns unchanged is shared with ``root``, not copied. Packed (GGUF) tensors are
+    cut as stored where they can be, else ``dequantize(name, tensor)`` is cut (``packed_weights``).
     """
+    from . import packed_weights
+
     cuts = cut_plan(root, plan, size)
     memo: dict[int, object] = {}
     for name, t in named_tensors(root):
         w = t if weight_of is None else weight_of(name, t)
         cut = cuts.get(id(t))
         if cut is not None:
-            memo[id(t)] = _param(cut.apply(w, rank, size), t)
+            undo = (lambda w, name=name: dequantize(name, w)) if dequantize is not None else _no_dequantize(name)
+            memo[id(t)] = _param(packed_weights.cut_or_dequantize(cut, w, rank, size, undo), t)
         else:
             memo[id(t)] = t if w is t else _param(w, t)
     from .transport import without_forward_overrides
@@ -264,6 +269,13 @@ def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size
     with without_forward_overrides(root):
         shard = copy.deepcopy(root, memo)
     return finish_shard(shard, plan, rank, size)
+
+
+def _no_dequantize(name: str):
+    def refuse(w):
+        raise TensorParallelError(f"tensor parallel: {name} is packed and cannot be cut as stored, and nothing was "
+                                  "given to dequantize it")
+    return refuse
 
 
 def named_tensors(root: torch.nn.Module):
@@ -301,16 +313,10 @@ def finish_shard(shard: torch.nn.Module, plan: TensorParallelPlan, rank: int, si
 
 def shard_nbytes(root: torch.nn.Module, plan: TensorParallelPlan | None, size: int) -> int:
     """Bytes of weights one TP rank holds (every rank the same), from shapes alone."""
+    from .packed_weights import stored_nbytes
+
     cuts = cut_plan(root, plan, size) if plan is not None and size > 1 else {}
-    total = 0
-    for _, t in named_tensors(root):
-        cut = cuts.get(id(t))
-        shape = cut.shape(tuple(t.shape), size) if cut is not None else tuple(t.shape)
-        n = 1
-        for s in shape:
-            n *= s
-        total += n * t.element_size()
-    return total
+    return sum(stored_nbytes(cuts.get(id(t)), t, size) for _, t in named_tensors(root))
 
 
 def _kv_slice(heads: int, kv: int, d: int, rank: int, size: int, what: str) -> slice:

@@ -271,15 +271,31 @@ def _slot(index: int):
 
 
 class _SkeletonPickler(_ModulePickler):
-    """Like _ModulePickler, but every tensor becomes a numbered slot (its data travels later)."""
+    """Like _ModulePickler, but every tensor becomes a numbered slot (its data travels later).
+    A packed tensor that ``forms`` says travels stored becomes a slot for its stored data,
+    rebuilt around it on arrival (``packed_weights``); ``packed[slot]`` is the tensor it came from."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, forms=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tensors: list[torch.Tensor] = []
+        self.packed: dict[int, torch.Tensor] = {}
+        self._forms = forms or {}
         self._index: dict[int, int] = {}  # id(tensor) -> slot; keeps shared tensors shared
+
+    def _packed_reduction(self, obj, form):
+        from . import packed_weights
+
+        index = len(self.tensors)
+        self.tensors.append(packed_weights.stored(obj))
+        self.packed[index] = obj
+        return (packed_weights.rebuild, (type(obj), _Deferred((_slot, (index,))), obj.tensor_type,
+                                         list(form.patches), isinstance(obj, torch.nn.Parameter)))
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and not isinstance(obj, type) and type(obj).__name__ != "QuantizedTensor":
+            form = self._forms.get(id(obj))
+            if form is not None and form.stored:
+                return self._packed_reduction(obj, form)
             index = self._index.get(id(obj))
             if index is None:
                 index = self._index[id(obj)] = len(self.tensors)
@@ -291,15 +307,18 @@ class _SkeletonPickler(_ModulePickler):
         return super().reducer_override(obj)
 
 
-def pack_skeleton(module: torch.nn.Module, module_state=None) -> tuple[bytes, list[torch.Tensor]]:
-    """The module's structure as a pickle without any tensor data, and its tensors in slot order."""
+def pack_skeleton(module: torch.nn.Module, module_state=None, forms=None
+                  ) -> tuple[bytes, list[torch.Tensor], dict[int, torch.Tensor]]:
+    """The module's structure as a pickle without any tensor data, its tensors in slot order,
+    and slot -> packed tensor for the slots that hold a packed tensor's stored data (``forms``:
+    id(packed tensor) -> ``packed_weights.StreamForm``)."""
     buf = io.BytesIO()
     try:
-        pickler = _SkeletonPickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state)
+        pickler = _SkeletonPickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state, forms=forms)
         pickler.dump(module)
     except Exception as exc:
         raise _cannot_send(module, exc) from exc
-    return buf.getvalue(), pickler.tensors
+    return buf.getvalue(), pickler.tensors, pickler.packed
 
 
 def import_module(name: str):

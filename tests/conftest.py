@@ -46,16 +46,18 @@ def tiny_base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_base, comfyui_path):
-    """One real ComfyUI server with the pack for the end-to-end tests of a session, plus the
-    test-only extensions: tiny files that state their own config (FLUX.2, text encoders, the
+    """One real ComfyUI server with the pack for the end-to-end tests of a session, with
+    ComfyUI-GGUF where the host has it, plus the test-only extensions: tiny files that state their own config (FLUX.2, text encoders, the
     per-family files), and a loader that changes a model the way a ComfyUI update does (see
     their docstrings)."""
     from comfy_server import ComfyServer
 
     extensions = REPO / "tests" / "comfy_extensions"
+    gguf = Path(comfyui_path) / "custom_nodes" / "ComfyUI-GGUF"  # the third-party pack, as tools/host.py installs it
     server = ComfyServer(comfyui_path, tiny_base, python=sys.executable,
                          extra_custom_nodes=[extensions / "tiny_config_from_metadata",
-                                             extensions / "simulated_comfyui_update"]).start()
+                                             extensions / "simulated_comfyui_update",
+                                             *([gguf] if gguf.is_dir() else [])]).start()
     yield server
     server.stop()
 
@@ -128,6 +130,12 @@ class VersionedSource:
 
     def weight(self, name, tensor, device, owner=None):
         return tensor if tensor.device == device else tensor.to(device)
+
+    def compute_dtype(self):
+        return None
+
+    def packed_patches(self, name):
+        return []
 
 
 def single_process_references(cases: dict):

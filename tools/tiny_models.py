@@ -112,6 +112,12 @@ def wan_lora_state_dict(spec: TinyWan = TinyWan(), rank: int = 4, seed: int = 2,
     targets = targets or [f"blocks.{i}.{name}" for i in range(spec.num_layers)
                           for name in ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0")]
     shapes = dict((k, v.shape) for k, v in build_wan_model(spec).state_dict().items())
+    return lora_state_dict(shapes, targets, rank, seed)
+
+
+def lora_state_dict(shapes: dict, targets, rank: int = 4, seed: int = 2) -> dict[str, torch.Tensor]:
+    """A LoRA for the Linear layers ``targets`` of a model whose state dict has ``shapes``
+    (key -> shape), in the generic format ComfyUI maps for any diffusion model."""
     gen = torch.Generator().manual_seed(seed)
     sd = {}
     for target in targets:

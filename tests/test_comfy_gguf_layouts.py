@@ -1,0 +1,117 @@
+"""GGUF models (ComfyUI-GGUF's loaders, installed in the test host as a user would) through a real
+ComfyUI server, under every layout, against the unsharded GGUF run of the same server: the same
+dequantization on every rank, so fp32 tolerance. A LoRA sits before and one after Shard
+Transformer in every graph. Tiny files in Q8_0, Q4_K and Q5_K are written by tools/tiny_gguf.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from test_comfy_e2e import TOL, final_latent, status
+
+pytestmark = pytest.mark.comfy_server
+
+gguf_tools = pytest.importorskip("tiny_gguf", reason="tools/tiny_gguf.py needs the gguf package")
+
+LAYOUTS = {
+    "Ulysses 2": {"ulysses_size": 2},
+    "Ring 2": {"ring_size": 2},
+    "TP 2": {"tp_size": 2},
+    "Ulysses 2 x TP 2": {"ulysses_size": 2, "tp_size": 2, "devices": "cpu,cpu,cpu,cpu"},
+}
+MODELS = ("wan", "flux")
+WAN_LATENT = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 48, "height": 32, "length": 5,
+                                                                  "batch_size": 1}}
+FLUX_LATENT = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 48, "batch_size": 1}}
+# Layers TP cuts as columns, as rows, and fused (Flux's qkv, the single block's linear1 / linear2).
+LORA_TARGETS = {
+    "wan": [f"blocks.{i}.{name}" for i in range(2) for name in ("self_attn.q", "self_attn.o", "ffn.0", "ffn.2")],
+    "flux": ["double_blocks.0.img_attn.qkv", "double_blocks.0.txt_mlp.2", "single_blocks.0.linear1",
+             "single_blocks.0.linear2"],
+}
+
+
+def lora_name(model: str, which: str) -> str:
+    return f"tiny_gguf_{model}_lora_{which}.safetensors"
+
+
+@pytest.fixture(scope="module")
+def gguf_server(tiny_server):
+    """The session's server, with the GGUF files and LoRAs shaped for them."""
+    if "UnetLoaderGGUF" not in tiny_server.object_info():
+        pytest.fail("ComfyUI-GGUF is not installed in this host: tools/host.py installs it from ../shared/thirdparty")
+    from safetensors.torch import save_file
+
+    from tiny_models import lora_state_dict
+
+    base = tiny_server.base_dir
+    gguf_tools.write_tiny_gguf_files(base, only=[f"{m}_{q.lower()}" for m in MODELS for q in gguf_tools.GGUF_QTYPES])
+    loras = base / "models" / "loras"
+    loras.mkdir(parents=True, exist_ok=True)
+    for model in MODELS:
+        shapes = {k: tuple(v.shape) for k, v in gguf_tools.MODELS[model][0]().items()}
+        targets = LORA_TARGETS[model]
+        for which, seed, picked in (("before", 61, targets), ("after", 62, targets[::2])):
+            path = loras / lora_name(model, which)
+            if not path.exists():
+                save_file(lora_state_dict(shapes, picked, rank=4, seed=seed), str(path))
+    return tiny_server
+
+
+def gguf_prompt(model: str, qtype: str, parallel: dict | None, seed: int = 5) -> dict:
+    """UnetLoaderGGUF -> LoRA -> (Shard Transformer) -> LoRA -> KSampler (2 steps) -> SaveLatent."""
+    wan = model == "wan"
+    prompt = {
+        "1": {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": gguf_tools.GGUF_FILES[f"{model}_{qtype.lower()}"]}},
+        "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora_name(model, "before"),
+                                                              "strength_model": 0.7}},
+        "5": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["2", 0], "lora_name": lora_name(model, "after"),
+                                                              "strength_model": 0.5}},
+        "6": {"class_type": "LoadTrainingDataset",
+              "inputs": {"folder_name": "tiny_wan_prompt" if wan else "tiny_family_prompt_pooled"}},
+        "7": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["6", 1]}},
+        "8": WAN_LATENT if wan else FLUX_LATENT,
+        "9": {"class_type": "KSampler", "inputs": {"model": ["5", 0], "positive": ["6", 1], "negative": ["7", 0],
+                                                   "latent_image": ["8", 0], "seed": seed, "steps": 2,
+                                                   "cfg": 2.0 if wan else 1.0, "sampler_name": "euler",
+                                                   "scheduler": "simple", "denoise": 1.0}},
+        "10": {"class_type": "SaveLatent", "inputs": {"samples": ["9", 0], "filename_prefix": f"latents/gguf_{model}"}},
+    }
+    if parallel is not None:
+        prompt["3"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
+                                                                  "cfg_size": 1, "devices": "auto", "backend": "auto",
+                                                                  **parallel}}
+        prompt["4"] = {"class_type": "ShardTransformer", "inputs": {"model": ["2", 0], "parallel_config": ["3", 0]}}
+        prompt["5"]["inputs"]["model"] = ["4", 0]
+    return prompt
+
+
+_REFERENCES: dict = {}
+
+
+def reference(server, model: str, qtype: str):
+    key = (model, qtype)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = final_latent(server, gguf_prompt(model, qtype, None))
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gguf_models_under_every_layout_equal_the_unsharded_run(gguf_server, layout):
+    """Each quant type, Wan and Flux, with LoRAs before and after the shard node."""
+    errors = {}
+    for model in MODELS:
+        for qtype in gguf_tools.GGUF_QTYPES:
+            ref = reference(gguf_server, model, qtype)
+            out = final_latent(gguf_server, gguf_prompt(model, qtype, LAYOUTS[layout]))
+            assert out.shape == ref.shape
+            scale = ref.abs().max().item()
+            assert scale > 0.1  # a real output, not zeros
+            errors[(model, qtype)] = ((out - ref).abs().max().item(), (out - ref).abs().max().item() / scale)
+    info = status(gguf_server)
+    print(f"\n{layout}: max abs / relative err " + ", ".join(f"{m} {q} {a:.1e} / {r:.1e}"
+                                                             for (m, q), (a, r) in errors.items()))
+    assert len(info["ranks"]) == max(2, LAYOUTS[layout].get("tp_size", 1) * LAYOUTS[layout].get("ulysses_size", 1))
+    # Ring merges and TP's all-reduces sum in another order than one process: fp32 rounding,
+    # relative to the output's size (the 1024-wide models reach a few units).
+    assert max(r for _, r in errors.values()) <= TOL, errors
