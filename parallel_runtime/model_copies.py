@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import comfy_weights, packed_weights, transport, weight_stream
+from . import comfy_quantized, comfy_weights, packed_weights, transport, weight_stream
 from .plans import ModelPlan, check_plan_matches
-from .tensor_parallel import build_shard, cut_plan, finish_shard, named_tensors
+from .tensor_parallel import TensorParallelError, build_shard, cut_plan, finish_shard, named_tensors
 
 log = logging.getLogger("parallel")
 
@@ -177,6 +177,13 @@ class ModelCopies:
         device = world.device
         names = {id(t): n for n, t in named_tensors(module)}
         cuts = cut_plan(module, plan.tensor_parallel, tp) if tp > 1 else {}
+        for _, t in named_tensors(module):
+            if id(t) in cuts and comfy_quantized.layout_name(t) is not None:
+                # Shard Transformer refuses this at the node; a text encoder meets it here.
+                raise TensorParallelError(
+                    f"{cuts[id(t)].what} is stored in ComfyUI's quantized layout {comfy_quantized.layout_name(t)}: "
+                    "tensor parallelism of these layouts works with CPU ranks in this version, not over the "
+                    "accelerator weight stream; use a bf16 / fp16 / GGUF file of this model, or 1 rank")
         dtype = (source.compute_dtype() if source is not None else None) or torch.float32
         forms = {}  # packed (GGUF) tensors: stored as they are, or dequantized where TP cannot cut them
         for name, t in named_tensors(module):

@@ -165,6 +165,10 @@ def stored_nbytes(cut, t: torch.Tensor, size: int, dequantized_itemsize: int = 4
     """Bytes one TP rank holds of ``t`` (cut by ``cut``, or whole), from shapes alone."""
     import math
 
+    from . import comfy_quantized
+
+    if comfy_quantized.layout_name(t) is not None:
+        return comfy_quantized.stored_nbytes(t, cut, size)
     if packing(t) is None:
         shape = cut.shape(tuple(t.shape), size) if cut is not None else tuple(t.shape)
         return math.prod(shape) * t.element_size()

@@ -111,30 +111,29 @@ def _segment_sizes(spec, parent, module, total: int) -> list[int]:
     return sizes
 
 
-def quantized_layout(t) -> str | None:
-    """The name of ComfyUI's quantized layout ``t`` is stored in (QuantizedTensor), or None."""
-    data = t.data if isinstance(t, torch.nn.Parameter) else t
-    if type(data).__name__ != "QuantizedTensor":
-        return None
-    return str(getattr(data, "_layout_cls", None) or getattr(data, "_layout_type", None) or "QuantizedTensor")
+def quantized_message(what: str, reason: str) -> str:
+    return (f"{what} cannot be cut for tensor parallelism: {reason}. Use tp_size 1 (Ulysses, Ring and CFG "
+            "work with it), another tp_size, or a bf16 / fp16 / GGUF file of this model for TP")
 
 
-def quantized_message(what: str, layout: str) -> str:
-    return (f"{what} is stored in ComfyUI's quantized layout {layout}, which this version cannot cut for tensor "
-            "parallelism (ComfyUI loads fp8 / NVFP4 checkpoints this way; since 0.33 scaled fp8 files too). Use "
-            "tp_size 1 (Ulysses, Ring and CFG work with it), or a bf16 / fp16 checkpoint of this model for TP")
+def quantized_layers(root: torch.nn.Module, plan: "TensorParallelPlan", size: int) -> list[tuple[str, str]]:
+    """(layer, reason) of the planned layers stored in a ComfyUI quantized layout that TP cannot
+    cut exactly for ``size`` ranks (the others are cut with their scales: ``comfy_quantized``)."""
+    from . import comfy_quantized
 
-
-def _refuse_quantized(t: torch.Tensor, what: str) -> None:
-    layout = quantized_layout(t)
-    if layout is not None:
-        raise TensorParallelError(quantized_message(what, layout))
-
-
-def quantized_layers(root: torch.nn.Module, plan: "TensorParallelPlan") -> list[tuple[str, str]]:
-    """(layer, layout) of the planned layers whose weight is quantized: TP cannot cut them."""
-    return [(name, layout) for name, mod, _ in layer_specs(root, plan)
-            for layout in [quantized_layout(getattr(mod, "weight", None))] if layout is not None]
+    try:
+        cuts = cut_plan(root, plan, size)
+    except TensorParallelError:
+        return []  # sizes that do not divide: the node's size check says so
+    found = []
+    for name, mod, _ in layer_specs(root, plan):
+        for t in (getattr(mod, "weight", None), getattr(mod, "bias", None)):
+            if t is not None and id(t) in cuts and comfy_quantized.layout_name(t) is not None:
+                reason = comfy_quantized.why_not_cut(t, cuts[id(t)], size)
+                if reason is not None:
+                    found.append((name, reason))
+                    break
+    return found
 
 
 def _parent(root: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -185,8 +184,14 @@ class Cut:
 
     def apply(self, t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """This rank's part of ``t``: always a fresh tensor, never a view (a view would keep,
-        and send, the full weight)."""
-        _refuse_quantized(t, self.what)
+        and send, the full weight). ComfyUI's quantized layouts are cut with their scales."""
+        from . import comfy_quantized
+
+        if comfy_quantized.layout_name(t) is not None:
+            reason = comfy_quantized.why_not_cut(t, self, size)
+            if reason is not None:
+                raise TensorParallelError(quantized_message(self.what, reason))
+            return comfy_quantized.cut_quantized(t, self, rank, size)
         if self.kind == "bias_once":  # added once, after the all-reduce sums every rank's partial product
             return t.detach().clone() if rank == 0 else torch.zeros_like(t)
         if self.kind == "rows":

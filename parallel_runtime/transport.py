@@ -31,6 +31,8 @@ import torch
 import torch.multiprocessing
 from multiprocessing.reduction import ForkingPickler
 
+from . import comfy_quantized
+
 SHARING_STRATEGY = "file_system"  # fds cannot be passed to processes started by subprocess
 
 
@@ -49,6 +51,8 @@ class _ModulePickler(ForkingPickler):
         self.module_state = module_state
 
     def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and comfy_quantized.layout_name(obj) is not None:
+            return _quantized_reduction(obj)
         if isinstance(obj, type) and "<locals>" in obj.__qualname__:
             return _local_class_reduction(obj)
         if isinstance(obj, types.FunctionType) and ("<lambda>" in obj.__qualname__ or "<locals>" in obj.__qualname__):
@@ -65,6 +69,24 @@ class _ModulePickler(ForkingPickler):
         if self.module_state is not None:
             state = self.module_state(module, state)
         return (func, args, state, *rest)
+
+
+def _quantized_reduction(t: torch.Tensor):
+    """ComfyUI's QuantizedTensor as its plain tensors (data, scales) and the context its class
+    rebuilds it from: pickling the wrapper itself crashes the process (torch 2.14, 0.33's layouts),
+    and its plain tensors travel like any other (shared pages, or skeleton slots)."""
+    tensors, ctx = comfy_quantized.flatten(t)
+    rebuilt = (comfy_quantized.unflatten, (type(comfy_quantized.unwrapped(t)), tensors, ctx))
+    if isinstance(t, torch.nn.Parameter):
+        return (torch.nn.Parameter, (_Deferred(rebuilt), False))
+    return rebuilt
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The ordinary tensors behind ``t``: a QuantizedTensor's data and scales, else ``t``."""
+    if comfy_quantized.layout_name(t) is not None:
+        return list(comfy_quantized.flatten(t)[0].values())
+    return [t]
 
 
 def _shared_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -226,7 +248,8 @@ def pack_module(module: torch.nn.Module, module_state=None) -> bytes:
     """Share the module's CPU tensors in place and pickle it as shared-memory handles."""
     use_shared_memory_strategy()
     for t in module_tensors(module):
-        _shared_cpu(t)
+        for plain in plain_tensors(t):
+            _shared_cpu(plain)
     buf = io.BytesIO()
     try:
         _ModulePickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state).dump(module)
@@ -243,7 +266,7 @@ def _cannot_send(module, exc) -> RuntimeError:
 def shared_storages(module: torch.nn.Module) -> list:
     """The shared CPU storages behind a packed module (one entry per storage)."""
     seen, out = set(), []
-    for t in module_tensors(module):
+    for t in (plain for t in module_tensors(module) for plain in plain_tensors(t)):
         if t.device.type == "cpu":
             st = t.untyped_storage()
             if st.data_ptr() not in seen:
@@ -292,7 +315,7 @@ class _SkeletonPickler(_ModulePickler):
                                          list(form.patches), isinstance(obj, torch.nn.Parameter)))
 
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, type) and type(obj).__name__ != "QuantizedTensor":
+        if isinstance(obj, torch.Tensor) and comfy_quantized.layout_name(obj) is None:
             form = self._forms.get(id(obj))
             if form is not None and form.stored:
                 return self._packed_reduction(obj, form)

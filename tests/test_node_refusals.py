@@ -68,9 +68,10 @@ def test_malformed_or_unavailable_devices_are_refused(devices):
         config(ulysses_size=2, devices=devices)
 
 
-def test_quantized_weights_are_refused_for_tp_naming_the_layer_and_layout():
-    """ComfyUI's QuantizedTensor layouts (fp8 / NVFP4 checkpoints; since 0.33 also scaled fp8 files)
-    cannot be cut yet: Shard Transformer says so before any rank starts; CP still takes the model."""
+def test_quantized_weights_are_cut_for_tp_on_cpu_ranks_and_refused_over_the_weight_stream(monkeypatch):
+    """ComfyUI's QuantizedTensor layouts (fp8 / NVFP4 checkpoints; since 0.33 also scaled fp8 files):
+    TP cuts them with their scales where the weights travel through shared memory (CPU ranks); the
+    accelerator weight stream cannot carry the cut parts yet, and the node says so, naming what to do."""
     import comfy.quant_ops
     from tiny_models import TinyWan, build_wan_model
 
@@ -79,8 +80,10 @@ def test_quantized_weights_are_refused_for_tp_naming_the_layer_and_layout():
     quantized = comfy.quant_ops.QuantizedTensor.from_float(layer.weight.detach(), "TensorCoreFP8Layout",
                                                            scale=torch.tensor(0.01))
     layer.weight = torch.nn.Parameter(quantized, requires_grad=False)
-    with pytest.raises(ConfigError, match=r"^Shard Transformer: this Wan 2.1 / 2.2 model's layer blocks.0.self_attn.q "
-                                          r"is stored in ComfyUI's quantized layout TensorCoreFP8Layout.*tp_size 1"):
+    assert PACK.nodes.shard_transformer.check_model(dm, config(tp_size=2)).family == "wan"
+    monkeypatch.setenv("PARALLEL_WEIGHT_TRANSPORT", "process_group")
+    with pytest.raises(ConfigError, match=r"^Shard Transformer: tensor parallelism of ComfyUI's quantized layouts.*"
+                                          r"tp_size 1"):
         PACK.nodes.ShardTransformerNode.execute(fake_model(dm), config(tp_size=2))
     assert no_world_started()
     assert PACK.nodes.shard_transformer.check_model(dm, config(ulysses_size=2)).family == "wan"

@@ -125,3 +125,34 @@ def test_scaled_fp8_weights_shard_in_fp8_with_their_scales(runtime):
     print(f"\nscaled fp8 Wan, TP 2: max abs err {err:.2e}; rank 0 holds "
           f"{world.copies._copies[model].param_bytes / sum(p.numel() * p.element_size() for p in model.parameters()):.3f}")
     assert err <= TOL
+
+
+@pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(ulysses_size=2)], ids=["tp2", "ulysses2"])
+def test_comfy_quantized_layout_weights_shard_with_their_scales(runtime, sizes):
+    """A model whose layers hold ComfyUI's QuantizedTensor (per-tensor fp8, as fp8 checkpoints load;
+    on 0.33 scaled fp8 files too): TP cuts the fp8 data and keeps each scale, Ulysses sends the
+    tensors whole, and both equal one process."""
+    import comfy.quant_ops
+
+    from parallel_runtime import comfy_quantized
+
+    model, args, kwargs = TP_CASES["wan21_t2v_4heads"]()
+    layers = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("blocks.")]
+    for i, layer in enumerate(layers):
+        scale = layer.weight.detach().abs().max().float() / 448.0
+        layer.weight = torch.nn.Parameter(comfy.quant_ops.QuantizedTensor.from_float(
+            layer.weight.detach(), "TensorCoreFP8Layout", scale=scale), requires_grad=False)
+    assert all(comfy_quantized.layout_name(layer.weight) for layer in layers) and len(layers) >= 16
+    with torch.inference_mode():
+        ref = model._forward(*args, **kwargs, transformer_options={})
+    world = cpu_world(runtime, sizes)
+    with torch.inference_mode():
+        out = world.forward(model, find_plan(model), model._forward, args, {**kwargs, "transformer_options": {}})
+    err = (out - ref).abs().max().item()
+    held = world.copies._copies[model].param_bytes if world.config.tp_size > 1 else None
+    print(f"\nper-tensor fp8 QuantizedTensor Wan on {world.config.describe()}: max abs err {err:.2e}; rank 0 holds "
+          f"{held} bytes")
+    assert out.shape == ref.shape and err <= TOL
+    if world.config.tp_size > 1:  # rank 0 runs its shard: fp8 data, half the rows or columns
+        q = world.copies._copies[model].run_module.blocks[0].self_attn.q.weight
+        assert comfy_quantized.layout_name(q) is not None and tuple(q.shape) == (128, 256)
