@@ -119,3 +119,77 @@ def test_staged_point_to_point_equals_the_direct_path(comfyui_path, monkeypatch)
     (ring_direct, vae_direct), (ring_staged, vae_staged) = results["0"], results["1"]
     assert (ring_direct - reference(model, args)).abs().max().item() <= 1e-5
     assert torch.equal(ring_staged, ring_direct) and torch.equal(vae_staged, vae_direct)
+
+
+@pytest.fixture(scope="module")
+def gguf_ops(comfyui_path):
+    """ComfyUI-GGUF's ops module, imported the way ComfyUI imports a custom node (by folder path)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(comfyui_path) / "custom_nodes" / "ComfyUI-GGUF"
+    if not (folder / "ops.py").is_file():
+        pytest.fail(f"ComfyUI-GGUF is not installed in {folder}: tools/host.py installs it")
+    import nodes  # noqa: F401  ComfyUI's nodes.py, which ComfyUI-GGUF imports
+
+    name = str(folder).replace(".", "_x_")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[f"{name}.ops"]
+
+
+class PatchedSource(VersionedSource):
+    """Patches of packed tensors as ComfyUI-GGUF's patcher holds them, by tensor name."""
+
+    def __init__(self, patches):
+        super().__init__()
+        self.patches = patches
+
+    def packed_patches(self, name):
+        return self.patches.get(name, [])
+
+
+def gguf_wan(ops, seed: int):
+    """The tiny Wan with every block Linear in ComfyUI-GGUF's layer class holding Q8_0 blocks (one
+    with a LoRA-style patch it applies when it dequantizes), as UnetLoaderGGUF loads a file."""
+    import gguf
+
+    model = build_wan_model(TinyWan(dim=512, ffn_dim=1024, num_layers=2), seed=seed, text_dim=TEXT_DIM)
+    for name, layer in model.named_modules():
+        if name.startswith("blocks.") and isinstance(layer, torch.nn.Linear):
+            data = gguf.quants.quantize(layer.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            layer.__class__ = ops.GGMLOps.Linear
+            layer.weight = torch.nn.Parameter(ops.GGMLTensor(torch.from_numpy(data), tensor_type=gguf.GGMLQuantizationType.Q8_0,
+                                                             tensor_shape=layer.weight.shape), requires_grad=False)
+    key = "blocks.0.self_attn.o.weight"
+    diff = torch.randn(512, 512, generator=torch.Generator().manual_seed(seed + 1)) * 0.01
+    patches = {key: [([(0.7, ("diff", (diff,)), 1.0, None, None)], key)]}
+    model.get_parameter(key).patches = patches[key]  # what ComfyUI-GGUF's patcher does on rank 0
+    return model, patches
+
+
+@pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(ulysses_size=2)], ids=["tp2", "ulysses2"])
+@pytest.mark.parametrize("transport", ["process_group", "handles"])
+def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_ops, transport, sizes):
+    """The accelerator weight stream with GGUF tensors: stored blocks travel (and TP cuts them) as
+    raw bytes, the patched layer travels with its patch (CP) or dequantized and cut (TP)."""
+    model, patches = gguf_wan(gguf_ops, seed=7)
+    args = wan_inputs(seed=2)
+    ref = reference(model, args)
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": transport}, **sizes)
+    try:
+        out = run(world, model, args, PatchedSource(patches))
+        err = (out - ref).abs().max().item()
+        print(f"\nGGUF Q8_0 Wan, {sizes} by {transport}: max abs err {err:.2e}")
+        assert err <= 1e-4
+        if "tp_size" in sizes:  # rank 0's own shard: blocks cut as stored, the patched layer dequantized
+            shard = world.copies.run_module(model).blocks[0]
+            assert type(shard.self_attn.q.weight).__name__ == "GGMLTensor" and shard.self_attn.q.weight.shape[0] == 256
+            assert type(shard.self_attn.o.weight).__name__ != "GGMLTensor"
+    finally:
+        world.shutdown("test done")
