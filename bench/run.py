@@ -209,7 +209,7 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full", "vae", "memory", "none"],
+    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full", "vae", "memory", "gguf", "none"],
                         help="scenarios to run; 'none' with --peers runs only the peer comparison")
     parser.add_argument("--scenario", nargs="*", help="run these scenarios instead of a suite")
     parser.add_argument("--out", required=True, help="JSON-lines file for the records (appended)")

@@ -145,6 +145,25 @@ WAN = WanShape()
 # Wan-shaped with 1.2 GB of fp32 weights and few tokens: weights, not activations or each process's
 # torch and ComfyUI runtime, dominate its memory (the shared-memory measurement).
 WAN_BIG = WanShape(dim=1536, heads=12, ffn=8960, layers=6, frames=1, side=32, text_tokens=32)
+# Its GGUF counterpart for the same measurement: 0.8 GB of Q8_0 blocks (about 770M parameters).
+WAN_GGUF_BIG = WanShape(dim=2048, heads=16, ffn=8192, layers=12, frames=1, side=32, text_tokens=32)
+
+
+def build_wan_gguf(shape: WanShape, qtype: str, seed: int = 0, batch: int = 1, device="cpu"):
+    """``build_wan`` with every block Linear in ComfyUI-GGUF's layer holding ``qtype`` blocks
+    (tools/tiny_gguf.py's quantizers), as UnetLoaderGGUF loads a GGUF file of that model."""
+    from tiny_gguf import import_gguf_nodes, quantize_linears
+
+    from parallel_runtime.comfyui_location import comfyui_path
+
+    model, args, kwargs = build_wan(shape, seed, batch, "cpu")
+    quantize_linears(model, qtype, import_gguf_nodes(comfyui_path("run the benchmark with tools/run.sh")),
+                     prefix="blocks.")
+    return model.to(device), tuple(a.to(device) for a in args), kwargs
+
+
+def wan_gguf(shape, qtype):
+    return lambda seed, batch, device: build_wan_gguf(shape, qtype, seed, batch, device)
 
 
 def flux(shape):
@@ -178,6 +197,15 @@ SCENARIOS = [
                lambda seed, batch, device: build_kl_vae(64, seed, batch, device), 64 * 64, repeat=1,
                suites=("full", "vae"), method="decode") for n in (1, 2, 4)],
     Scenario("wan_ring2", "wan", "ring", {"ring": 2}, wan(WAN), WAN.tokens, suites=("full",)),
+    # GGUF (ComfyUI-GGUF's layers, blocks quantized) against the same Wan in fp32: step time,
+    # weights per rank, and the shared-memory measurement on quantized weights.
+    Scenario("wan_fp32_tp2", "wan", "tp", {"tp": 2}, wan(WAN), WAN.tokens, suites=("gguf",),
+             notes="the fp32 baseline of the GGUF TP rows"),
+    *[Scenario(f"wan_gguf_{q.lower()}_{mode}2", "wan", mode, {mode: 2}, wan_gguf(WAN, q), WAN.tokens, suites=("gguf",),
+               notes=f"blocks in {q}") for q in ("Q8_0", "Q4_K") for mode in ("ulysses", "tp")],
+    Scenario("wan_big_gguf_q8_0_ulysses2_memory", "wan", "ulysses", {"ulysses": 2}, wan_gguf(WAN_GGUF_BIG, "Q8_0"),
+             WAN_GGUF_BIG.tokens, repeat=2, suites=("gguf", "memory"),
+             notes="0.8 GB of Q8_0 blocks: summed PSS of both ranks against one process"),
     Scenario("wan_big_ulysses2_memory", "wan", "ulysses", {"ulysses": 2}, wan(WAN_BIG), WAN_BIG.tokens, repeat=2,
              suites=("full", "memory"), notes="1.2 GB of weights: summed PSS of both ranks against one process"),
 ]

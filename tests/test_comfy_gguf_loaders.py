@@ -6,8 +6,6 @@ it) and in this process. Skipped where the host has no ComfyUI-GGUF (its source 
 beside the checkout when the host was set up)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,17 +40,12 @@ def gguf_base(gguf_server) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gguf_module(gguf_nodes_dir, gguf_base):
+def gguf_module(gguf_nodes_dir, gguf_base, comfyui_path):
     """ComfyUI-GGUF imported in this process the way ComfyUI imports a custom node (a package),
     with the tiny files' folder among ComfyUI's model folders."""
     import folder_paths
-    import nodes  # noqa: F401  ComfyUI's nodes.py, which ComfyUI-GGUF imports
 
-    spec = importlib.util.spec_from_file_location("comfyui_gguf_under_test", gguf_nodes_dir / "__init__.py",
-                                                  submodule_search_locations=[str(gguf_nodes_dir)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = tiny_gguf.import_gguf_nodes(comfyui_path)
     folder_paths.add_model_folder_path("diffusion_models", str(gguf_base / "models" / "diffusion_models"))
     return module
 

@@ -122,25 +122,10 @@ def test_staged_point_to_point_equals_the_direct_path(comfyui_path, monkeypatch)
 
 
 @pytest.fixture(scope="module")
-def gguf_ops(comfyui_path):
-    """ComfyUI-GGUF's ops module, imported the way ComfyUI imports a custom node (by folder path)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+def gguf_nodes(comfyui_path):
+    from tiny_gguf import import_gguf_nodes
 
-    folder = Path(comfyui_path) / "custom_nodes" / "ComfyUI-GGUF"
-    if not (folder / "ops.py").is_file():
-        pytest.fail(f"ComfyUI-GGUF is not installed in {folder}: tools/host.py installs it")
-    import nodes  # noqa: F401  ComfyUI's nodes.py, which ComfyUI-GGUF imports
-
-    name = str(folder).replace(".", "_x_")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[f"{name}.ops"]
+    return import_gguf_nodes(comfyui_path)
 
 
 class PatchedSource(VersionedSource):
@@ -154,18 +139,13 @@ class PatchedSource(VersionedSource):
         return self.patches.get(name, [])
 
 
-def gguf_wan(ops, seed: int):
+def gguf_wan(gguf_nodes, seed: int):
     """The tiny Wan with every block Linear in ComfyUI-GGUF's layer class holding Q8_0 blocks (one
     with a LoRA-style patch it applies when it dequantizes), as UnetLoaderGGUF loads a file."""
-    import gguf
+    from tiny_gguf import quantize_linears
 
     model = build_wan_model(TinyWan(dim=512, ffn_dim=1024, num_layers=2), seed=seed, text_dim=TEXT_DIM)
-    for name, layer in model.named_modules():
-        if name.startswith("blocks.") and isinstance(layer, torch.nn.Linear):
-            data = gguf.quants.quantize(layer.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
-            layer.__class__ = ops.GGMLOps.Linear
-            layer.weight = torch.nn.Parameter(ops.GGMLTensor(torch.from_numpy(data), tensor_type=gguf.GGMLQuantizationType.Q8_0,
-                                                             tensor_shape=layer.weight.shape), requires_grad=False)
+    assert quantize_linears(model, "Q8_0", gguf_nodes, prefix="blocks.") == 2 * (8 + 2)
     key = "blocks.0.self_attn.o.weight"
     diff = torch.randn(512, 512, generator=torch.Generator().manual_seed(seed + 1)) * 0.01
     patches = {key: [([(0.7, ("diff", (diff,)), 1.0, None, None)], key)]}
@@ -175,10 +155,10 @@ def gguf_wan(ops, seed: int):
 
 @pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(ulysses_size=2)], ids=["tp2", "ulysses2"])
 @pytest.mark.parametrize("transport", ["process_group", "handles"])
-def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_ops, transport, sizes):
+def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_nodes, transport, sizes):
     """The accelerator weight stream with GGUF tensors: stored blocks travel (and TP cuts them) as
     raw bytes, the patched layer travels with its patch (CP) or dequantized and cut (TP)."""
-    model, patches = gguf_wan(gguf_ops, seed=7)
+    model, patches = gguf_wan(gguf_nodes, seed=7)
     args = wan_inputs(seed=2)
     ref = reference(model, args)
     world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": transport}, **sizes)

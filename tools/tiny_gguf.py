@@ -186,6 +186,50 @@ def quantize(array, qtype: str) -> np.ndarray:
     return QUANTIZERS[qtype](array)
 
 
+# ----------------------------------------------------------------------------------- in this process
+def import_gguf_nodes(comfyui_path):
+    """ComfyUI-GGUF (installed by tools/host.py) imported the way ComfyUI imports a custom node
+    package: under its folder's path, dots as ``_x_``, so that worker processes find its classes
+    by the same name. Needs ComfyUI importable (its ``nodes`` module is imported first)."""
+    import importlib.util
+    import sys
+
+    import nodes  # noqa: F401  ComfyUI's nodes.py, which ComfyUI-GGUF imports
+
+    folder = Path(comfyui_path) / "custom_nodes" / "ComfyUI-GGUF"
+    if not (folder / "ops.py").is_file():
+        raise FileNotFoundError(f"ComfyUI-GGUF is not installed in {folder}: tools/host.py installs it")
+    name = str(folder).replace(".", "_x_")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def quantize_linears(model, qtype: str, gguf_nodes, prefix: str = "") -> int:
+    """Turn every Linear under ``prefix`` whose input width is whole ``qtype`` blocks into
+    ComfyUI-GGUF's layer holding ``qtype`` blocks, as UnetLoaderGGUF would load such a file
+    (biases stay as they are). Returns how many layers were converted."""
+    import gguf
+    import torch
+
+    ops = gguf_nodes.ops
+    count = 0
+    for name, layer in model.named_modules():
+        if not name.startswith(prefix) or not isinstance(layer, torch.nn.Linear) or \
+                layer.in_features % BLOCK_VALUES[qtype]:
+            continue
+        data = quantize(layer.weight.detach().float().cpu().numpy(), qtype)
+        layer.__class__ = ops.GGMLOps.Linear
+        layer.weight = torch.nn.Parameter(ops.GGMLTensor(torch.from_numpy(data), tensor_type=getattr(
+            gguf.GGMLQuantizationType, qtype), tensor_shape=layer.weight.shape), requires_grad=False)
+        count += 1
+    return count
+
+
 # ----------------------------------------------------------------------------------- what to quantize
 # Tensors a conversion leaves unquantized, by name, per architecture: the input and output
 # projections and embeddings, which are small next to the blocks but set the quality (the same
