@@ -15,10 +15,7 @@ from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import check_plan_matches, find_plan, supported_models_text
 from ..parallel_runtime.plans.base import PlanMismatch
 from ..parallel_runtime.runtime import RUNTIME
-from ..parallel_runtime import comfy_quantized
-from ..parallel_runtime.model_copies import choose_transport
-from ..parallel_runtime.tensor_parallel import (layer_specs, quantized_layers, quantized_message, shard_nbytes,
-                                                valid_sizes)
+from ..parallel_runtime.tensor_parallel import quantized_layers, quantized_message, shard_nbytes, valid_sizes
 from ..parallel_runtime.verification import FirstStep, requested
 from .parallel_config import ParallelConfigType
 
@@ -49,13 +46,6 @@ def check_model(diffusion_model, config: ParallelConfig):
             (name, reason), more = quantized[0], len(quantized) - 1
             raise ConfigError(f"{NODE}: " + quantized_message(f"this {plan.title} model's layer {name}"
                                                               + (f" (and {more} more)" if more else ""), reason))
-        if choose_transport(config) != "shared" and any(
-                comfy_quantized.layout_name(getattr(mod, "weight", None)) is not None
-                for _, mod, _ in layer_specs(diffusion_model, plan.tensor_parallel)):
-            raise ConfigError(f"{NODE}: tensor parallelism of ComfyUI's quantized layouts (fp8 / NVFP4 checkpoints) "
-                              "works with CPU ranks in this version, not over the accelerator weight stream: use "
-                              "tp_size 1 (Ulysses, Ring and CFG work with these files), or a GGUF or bf16 file of "
-                              "this model for TP")
         valid = valid_sizes(diffusion_model, plan.tensor_parallel, heads)
         if tp not in valid:
             sizes = ", ".join(f"{name} {int(_attr(diffusion_model, path))}"

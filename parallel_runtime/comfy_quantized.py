@@ -514,3 +514,30 @@ def unwrapped(t) -> torch.Tensor:
     if q is None:
         raise TypeError(f"{type(t).__name__} is not a ComfyUI QuantizedTensor")
     return q
+
+
+class PartForm:
+    """How a quantized tensor TP cuts travels in a weight stream: one slot per plain tensor of a
+    rank's part (``specs``: name -> (shape, dtype)), rebuilt with the part's context ``ctx``."""
+
+    def __init__(self, t, cut, size: int):
+        self.cut = cut
+        self.specs, self.ctx = part_spec(t, cut, size)
+
+
+class PartOf:
+    """One plain tensor (data or scales) of each rank's part of a quantized tensor, as a weight
+    stream entry's cut: its shape is the part's (``part_spec``), and ``apply`` cuts the rank's
+    part of the whole quantized tensor and takes that tensor of it. Travels as a ``Cut`` of
+    kind "part" (a worker needs only the shape)."""
+
+    kind, dim, kv = "part", 0, (0, 0, 0)
+
+    def __init__(self, cut, name: str, shape: tuple[int, ...]):
+        self.what, self.name, self.sizes, self._cut = cut.what, name, tuple(shape), cut
+
+    def shape(self, full, size: int) -> tuple[int, ...]:
+        return self.sizes
+
+    def apply(self, t, rank: int, size: int) -> torch.Tensor:
+        return flatten(cut_quantized(t, self._cut, rank, size))[0][self.name]

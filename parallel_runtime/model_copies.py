@@ -30,7 +30,7 @@ import torch
 
 from . import comfy_quantized, comfy_weights, packed_weights, transport, weight_stream
 from .plans import ModelPlan, check_plan_matches
-from .tensor_parallel import TensorParallelError, build_shard, cut_plan, finish_shard, named_tensors
+from .tensor_parallel import build_shard, cut_plan, finish_shard, named_tensors
 
 log = logging.getLogger("parallel")
 
@@ -177,25 +177,26 @@ class ModelCopies:
         device = world.device
         names = {id(t): n for n, t in named_tensors(module)}
         cuts = cut_plan(module, plan.tensor_parallel, tp) if tp > 1 else {}
-        for _, t in named_tensors(module):
-            if id(t) in cuts and comfy_quantized.layout_name(t) is not None:
-                # Shard Transformer refuses this at the node; a text encoder meets it here.
-                raise TensorParallelError(
-                    f"{cuts[id(t)].what} is stored in ComfyUI's quantized layout {comfy_quantized.layout_name(t)}: "
-                    "tensor parallelism of these layouts works with CPU ranks in this version, not over the "
-                    "accelerator weight stream; use a bf16 / fp16 / GGUF file of this model, or 1 rank")
         dtype = (source.compute_dtype() if source is not None else None) or torch.float32
-        forms = {}  # packed (GGUF) tensors: stored as they are, or dequantized where TP cannot cut them
+        forms = {}  # packed (GGUF) tensors: stored as they are, or dequantized where TP cannot cut them;
+        # ComfyUI's quantized layouts that TP cuts: each rank's part, a slot per data / scale tensor
         for name, t in named_tensors(module):
+            if id(t) in cuts and comfy_quantized.layout_name(t) is not None:
+                forms[id(t)] = comfy_quantized.PartForm(t, cuts[id(t)], tp)
+                continue
             form = packed_weights.stream_form(t, cuts.get(id(t)), tp, self._packed_patches(source, name, t), dtype)
             if form is not None:
                 forms[id(t)] = form
-        data, tensors, packed = transport.pack_skeleton(module, module_state=comfy_weights.worker_module_state,
-                                                        forms=forms)
+        data, tensors, packed, parts = transport.pack_skeleton(
+            module, module_state=comfy_weights.worker_module_state, forms=forms)
         entries = []
         for i, t in enumerate(tensors):
             origin = packed.get(i)
-            if origin is not None:  # a packed tensor's stored data
+            if i in parts:  # one plain tensor of each rank's part of a quantized tensor
+                form = forms[id(t)]
+                shape, part_dtype = form.specs[parts[i]]
+                entries.append(weight_stream.Entry(shape, part_dtype, comfy_quantized.PartOf(form.cut, parts[i], shape)))
+            elif origin is not None:  # a packed tensor's stored data
                 cut = cuts.get(id(origin))
                 entries.append(weight_stream.Entry(tuple(t.shape), t.dtype,
                                                    packed_weights.stored_cut(cut, origin) if cut else None))
@@ -213,6 +214,8 @@ class ModelCopies:
 
         def weight(i):
             t = tensors[i]
+            if i in parts:  # the whole quantized tensor, as the forward uses it: its entry cuts it
+                return weight_of(names.get(id(t)), t)
             if i in packed:
                 return t if t.device == device else t.to(device)
             name = names.get(id(t))

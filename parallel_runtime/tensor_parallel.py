@@ -168,7 +168,7 @@ class Cut:
     tell a worker the shapes of its shard before any data moves, and both sides cut alike."""
 
     what: str                         # the layer, for messages
-    kind: str                         # "segments", "rows" (grouped-query K/V) or "bias_once"
+    kind: str                         # "segments", "rows" (grouped-query K/V), "bias_once", "part" (below)
     dim: int = 0
     sizes: tuple[int, ...] = ()       # "segments": the fused segments along ``dim``
     kv: tuple[int, int, int] = (0, 0, 0)  # "rows": heads, KV heads, head dim
@@ -180,6 +180,8 @@ class Cut:
         elif self.kind == "rows":
             heads, kv, d = self.kv
             out[0] = (kv // size if size <= kv else 1) * d
+        elif self.kind == "part":  # one plain tensor of a quantized part: its shape, as given
+            return tuple(self.sizes)
         return tuple(out)
 
     def apply(self, t: torch.Tensor, rank: int, size: int) -> torch.Tensor:

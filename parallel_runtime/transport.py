@@ -302,6 +302,7 @@ class _SkeletonPickler(_ModulePickler):
         super().__init__(*args, **kwargs)
         self.tensors: list[torch.Tensor] = []
         self.packed: dict[int, torch.Tensor] = {}
+        self.parts: dict[int, str] = {}  # slot -> the name of a quantized part's plain tensor
         self._forms = forms or {}
         self._index: dict[int, int] = {}  # id(tensor) -> slot; keeps shared tensors shared
 
@@ -314,7 +315,25 @@ class _SkeletonPickler(_ModulePickler):
         return (packed_weights.rebuild, (type(obj), _Deferred((_slot, (index,))), obj.tensor_type,
                                          list(form.patches), isinstance(obj, torch.nn.Parameter)))
 
+    def _quantized_part_reduction(self, obj, form):
+        """A quantized tensor TP cuts: a slot per plain tensor of a rank's part (``form``:
+        name -> (shape, dtype), and the part's context), rebuilt around them on arrival."""
+        slots = {}
+        for name in form.specs:
+            index = len(self.tensors)
+            self.tensors.append(obj)
+            self.parts[index] = name
+            slots[name] = _Deferred((_slot, (index,)))
+        rebuilt = (comfy_quantized.unflatten, (type(comfy_quantized.unwrapped(obj)), slots, form.ctx))
+        if isinstance(obj, torch.nn.Parameter):
+            return (torch.nn.Parameter, (_Deferred(rebuilt), False))
+        return rebuilt
+
     def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and comfy_quantized.layout_name(obj) is not None:
+            form = self._forms.get(id(obj))
+            if form is not None:
+                return self._quantized_part_reduction(obj, form)
         if isinstance(obj, torch.Tensor) and comfy_quantized.layout_name(obj) is None:
             form = self._forms.get(id(obj))
             if form is not None and form.stored:
@@ -331,17 +350,19 @@ class _SkeletonPickler(_ModulePickler):
 
 
 def pack_skeleton(module: torch.nn.Module, module_state=None, forms=None
-                  ) -> tuple[bytes, list[torch.Tensor], dict[int, torch.Tensor]]:
+                  ) -> tuple[bytes, list[torch.Tensor], dict[int, torch.Tensor], dict[int, str]]:
     """The module's structure as a pickle without any tensor data, its tensors in slot order,
-    and slot -> packed tensor for the slots that hold a packed tensor's stored data (``forms``:
-    id(packed tensor) -> ``packed_weights.StreamForm``)."""
+    slot -> packed tensor for the slots that hold a packed tensor's stored data, and slot -> name
+    for the slots that hold a plain tensor of a quantized tensor's TP part (that slot's entry in
+    the list is the whole quantized tensor). ``forms``: id(tensor) -> ``packed_weights.StreamForm``
+    or ``QuantizedPartForm``."""
     buf = io.BytesIO()
     try:
         pickler = _SkeletonPickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state, forms=forms)
         pickler.dump(module)
     except Exception as exc:
         raise _cannot_send(module, exc) from exc
-    return buf.getvalue(), pickler.tensors, pickler.packed
+    return buf.getvalue(), pickler.tensors, pickler.packed, pickler.parts
 
 
 def import_module(name: str):

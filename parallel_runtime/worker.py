@@ -168,11 +168,12 @@ class _Server:
         tp_rank, tp_size = tp
         entries = [weight_stream.Entry.from_wire(item) for item in wire]
         slots = weight_stream.allocate(entries, tp_size, self.device)
-        module = transport.unpack_skeleton(data, slots)
-        plan = plan_for_family(family).for_module(module)
         link = weight_stream.ProcessGroupChannel() if channel == "process_group" else \
             weight_stream.HandleChannel(conn=self.conn)
         weight_stream.receive(entries, slots, link, self.device, tp_size, bucket_bytes)
+        # Filled first: a tensor rebuilt around its slots may copy them (ComfyUI's QuantizedTensor).
+        module = transport.unpack_skeleton(data, slots)
+        plan = plan_for_family(family).for_module(module)
         if tp_size > 1:
             finish_shard(module, plan.tensor_parallel, tp_rank, tp_size)
         module.to(self.device)  # anything the skeleton carried by value

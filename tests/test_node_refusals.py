@@ -68,12 +68,17 @@ def test_malformed_or_unavailable_devices_are_refused(devices):
         config(ulysses_size=2, devices=devices)
 
 
-def test_quantized_weights_are_cut_for_tp_on_cpu_ranks_and_refused_over_the_weight_stream(monkeypatch):
+def test_quantized_weights_are_cut_for_tp_and_a_cut_that_cannot_be_exact_is_refused_naming_why(monkeypatch):
     """ComfyUI's QuantizedTensor layouts (fp8 / NVFP4 checkpoints; since 0.33 also scaled fp8 files):
-    TP cuts them with their scales where the weights travel through shared memory (CPU ranks); the
-    accelerator weight stream cannot carry the cut parts yet, and the node says so, naming what to do."""
+    TP cuts them with their scales (parallel_runtime/comfy_quantized.py); where a layout's blocks
+    do not allow an exact cut, Shard Transformer refuses before any rank starts, naming the layer,
+    the layout's reason and what to do."""
+    import importlib
+
     import comfy.quant_ops
     from tiny_models import TinyWan, build_wan_model
+
+    comfy_quantized = importlib.import_module(f"{PACK.__name__}.parallel_runtime.comfy_quantized")
 
     dm = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=1), text_dim=64)
     layer = dm.blocks[0].self_attn.q
@@ -81,9 +86,11 @@ def test_quantized_weights_are_cut_for_tp_on_cpu_ranks_and_refused_over_the_weig
                                                            scale=torch.tensor(0.01))
     layer.weight = torch.nn.Parameter(quantized, requires_grad=False)
     assert PACK.nodes.shard_transformer.check_model(dm, config(tp_size=2)).family == "wan"
-    monkeypatch.setenv("PARALLEL_WEIGHT_TRANSPORT", "process_group")
-    with pytest.raises(ConfigError, match=r"^Shard Transformer: tensor parallelism of ComfyUI's quantized layouts.*"
-                                          r"tp_size 1"):
+    monkeypatch.setattr(comfy_quantized, "why_not_cut", lambda t, cut, size: "ComfyUI's quantized layout "
+                        "TensorCoreFP8Layout: a test's reason")
+    with pytest.raises(ConfigError, match=r"^Shard Transformer: this Wan 2.1 / 2.2 model's layer blocks.0.self_attn.q "
+                                          r"cannot be cut for tensor parallelism: ComfyUI's quantized layout "
+                                          r"TensorCoreFP8Layout: a test's reason.*tp_size 1"):
         PACK.nodes.ShardTransformerNode.execute(fake_model(dm), config(tp_size=2))
     assert no_world_started()
     assert PACK.nodes.shard_transformer.check_model(dm, config(ulysses_size=2)).family == "wan"

@@ -173,3 +173,34 @@ def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_node
             assert type(shard.self_attn.o.weight).__name__ != "GGMLTensor"
     finally:
         world.shutdown("test done")
+
+
+@pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(ulysses_size=2)], ids=["tp2", "ulysses2"])
+@pytest.mark.parametrize("transport", ["process_group", "handles"])
+def test_comfy_quantized_layouts_over_the_weight_stream(comfyui_path, monkeypatch, transport, sizes):
+    """ComfyUI's QuantizedTensor (per-tensor fp8, as fp8 checkpoints load) over the accelerator
+    weight stream: data and scale tensors travel as slots, and under TP each rank receives its
+    part (fp8 data cut, scale kept), against one process."""
+    import comfy.quant_ops
+
+    from parallel_runtime import comfy_quantized
+
+    model = build_wan_model(TinyWan(dim=512, ffn_dim=1024, num_layers=2), seed=9, text_dim=TEXT_DIM)
+    for name, layer in model.named_modules():
+        if name.startswith("blocks.") and isinstance(layer, torch.nn.Linear):
+            scale = layer.weight.detach().abs().max().float() / 448.0
+            layer.weight = torch.nn.Parameter(comfy.quant_ops.QuantizedTensor.from_float(
+                layer.weight.detach(), "TensorCoreFP8Layout", scale=scale), requires_grad=False)
+    args = wan_inputs(seed=3)
+    ref = reference(model, args)
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": transport}, **sizes)
+    try:
+        out = run(world, model, args, VersionedSource())
+        err = (out - ref).abs().max().item()
+        print(f"\nfp8 QuantizedTensor Wan, {sizes} by {transport}: max abs err {err:.2e}")
+        assert err <= 1e-4
+        if "tp_size" in sizes:
+            q = world.copies.run_module(model).blocks[1].self_attn.q.weight
+            assert comfy_quantized.layout_name(q) is not None and tuple(q.shape) == (256, 512)
+    finally:
+        world.shutdown("test done")
