@@ -97,9 +97,12 @@ class WeightSource:
 
         patcher = self.patcher
         key = self.prefix + name
-        if packed_weights.packing(tensor) is not None:  # GGUF: the layer dequantizes and patches it itself
+        packing = packed_weights.packing(tensor)
+        if packing is not None and packing.quantized:  # GGUF blocks: the layer dequantizes and patches them
             on_device = tensor if tensor.device == device else tensor.to(device)
             return packed_weights.with_patches(on_device, self.packed_patches(name))
+        if packing is not None:  # a GGUF F16 / F32 tensor: patched like any other (ComfyUI-GGUF merges those)
+            tensor = packed_weights.stored(tensor)
         backup = patcher.backup.get(key)
         merged = backup is not None and patcher.model.current_weight_patches_uuid == patcher.patches_uuid
         base = tensor if backup is None or merged else backup.weight

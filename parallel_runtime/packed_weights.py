@@ -115,10 +115,12 @@ def _cut_dim(cut, ndim: int) -> int | None:
 def why_dequantized(cut, w: torch.Tensor, size: int) -> str | None:
     """Why TP cannot cut ``w`` as stored for ``size`` ranks (None: it can)."""
     pack = packing(w)
-    if pack is None or not pack.quantized:
+    if pack is None:
         return None
-    if has_patches(w):
+    if has_patches(w):  # also unquantized GGUF tensors: their patches too are applied by the layer
         return "it carries LoRA / weight patches, which are made for the whole weight"
+    if not pack.quantized:
+        return None
     if _cut_dim(cut, len(w.tensor_shape)) != len(w.tensor_shape) - 1:
         return None  # whole rows: whole blocks whatever the cut
     if not pack.block:
@@ -192,8 +194,9 @@ class StreamForm:
 
 
 def stream_form(t: torch.Tensor, cut, size: int, patches: list, dtype) -> StreamForm | None:
-    """None for an ordinary tensor. A cut tensor travels stored without patches, or dequantized."""
-    if packing(t) is None:
+    """None for an ordinary tensor, and for an unquantized GGUF one (it travels as what it is, its
+    patches merged like any tensor's). A cut tensor travels stored without patches, or dequantized."""
+    if packing(t) is None or not packing(t).quantized:
         return None
     if cut is None:
         return StreamForm(True, tuple(patches))

@@ -30,9 +30,11 @@ MODELS = _models()
 WAN_LATENT = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 48, "height": 32, "length": 5,
                                                                   "batch_size": 1}}
 FLUX_LATENT = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 48, "batch_size": 1}}
-# Layers TP cuts as columns, as rows, and fused (Flux's qkv, the single block's linear1 / linear2).
+# Layers TP cuts as columns, as rows, and fused (Flux's qkv, the single block's linear1 / linear2);
+# Wan's text_embedding.2 is kept in F16 by the file (its patches are merged, not applied per forward).
 LORA_TARGETS = {
-    "wan": [f"blocks.{i}.{name}" for i in range(2) for name in ("self_attn.q", "self_attn.o", "ffn.0", "ffn.2")],
+    "wan": [f"blocks.{i}.{name}" for i in range(2) for name in ("self_attn.q", "self_attn.o", "ffn.0", "ffn.2")]
+    + ["text_embedding.2"],
     "flux": ["double_blocks.0.img_attn.qkv", "double_blocks.0.txt_mlp.2", "single_blocks.0.linear1",
              "single_blocks.0.linear2"],
 }

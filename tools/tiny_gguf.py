@@ -194,8 +194,16 @@ def import_gguf_nodes(comfyui_path):
     import importlib.util
     import sys
 
-    import nodes  # noqa: F401  ComfyUI's nodes.py, which ComfyUI-GGUF imports
-
+    if "nodes" not in sys.modules:  # ComfyUI's nodes.py, which ComfyUI-GGUF imports: by path, since
+        # this pack's own nodes/ folder may come first on sys.path
+        spec = importlib.util.spec_from_file_location("nodes", Path(comfyui_path) / "nodes.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["nodes"] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop("nodes", None)
+            raise
     folder = Path(comfyui_path) / "custom_nodes" / "ComfyUI-GGUF"
     if not (folder / "ops.py").is_file():
         raise FileNotFoundError(f"ComfyUI-GGUF is not installed in {folder}: tools/host.py installs it")
