@@ -153,8 +153,11 @@ def gguf_wan(gguf_nodes, seed: int):
     return model, patches
 
 
-@pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(ulysses_size=2)], ids=["tp2", "ulysses2"])
-@pytest.mark.parametrize("transport", ["process_group", "handles"])
+# Each layout on one channel here, on the other in the quantized-layout test below.
+STREAM_CASES = [("process_group", dict(tp_size=2)), ("handles", dict(ulysses_size=2))]
+
+
+@pytest.mark.parametrize("transport,sizes", STREAM_CASES, ids=["tp2-process_group", "ulysses2-handles"])
 def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_nodes, transport, sizes):
     """The accelerator weight stream with GGUF tensors: stored blocks travel (and TP cuts them) as
     raw bytes, the patched layer travels with its patch (CP) or dequantized and cut (TP)."""
@@ -175,8 +178,8 @@ def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_node
         world.shutdown("test done")
 
 
-@pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(ulysses_size=2)], ids=["tp2", "ulysses2"])
-@pytest.mark.parametrize("transport", ["process_group", "handles"])
+@pytest.mark.parametrize("transport,sizes", [("handles", dict(tp_size=2)), ("process_group", dict(ulysses_size=2))],
+                         ids=["tp2-handles", "ulysses2-process_group"])
 def test_comfy_quantized_layouts_over_the_weight_stream(comfyui_path, monkeypatch, transport, sizes):
     """ComfyUI's QuantizedTensor (per-tensor fp8, as fp8 checkpoints load) over the accelerator
     weight stream: data and scale tensors travel as slots, and under TP each rank receives its
