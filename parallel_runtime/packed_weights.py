@@ -10,6 +10,7 @@ What the ranks do with such a tensor:
 
 - replicated (context parallel, or a layer TP does not cut): the stored data travels as it is,
   with the patches ComfyUI has for it, so every rank dequantizes and patches exactly as rank 0.
+  F16 / F32 tensors are patched like ordinary ones (ComfyUI-GGUF merges their patches).
 - cut by TP: the stored data is cut, never dequantized, where the cut falls on the format's
   block boundaries: along output features (whole rows) always, along input features when every
   rank's part is a whole number of blocks. Otherwise (and for a layer that carries LoRA
@@ -108,7 +109,7 @@ def with_patches(t: torch.Tensor, patches: list) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- cuts
-def _cut_dim(cut, ndim: int) -> int | None:
+def _cut_dim(cut) -> int | None:
     return None if cut.kind == "bias_once" else (cut.dim if cut.kind == "segments" else 0)
 
 
@@ -121,7 +122,7 @@ def why_dequantized(cut, w: torch.Tensor, size: int) -> str | None:
         return "it carries LoRA / weight patches, which are made for the whole weight"
     if not pack.quantized:
         return None
-    if _cut_dim(cut, len(w.tensor_shape)) != len(w.tensor_shape) - 1:
+    if _cut_dim(cut) != len(w.tensor_shape) - 1:
         return None  # whole rows: whole blocks whatever the cut
     if not pack.block:
         return f"this gguf package does not know {pack.name}'s block size"
@@ -136,7 +137,7 @@ def stored_cut(cut, t: torch.Tensor):
     """``cut`` (a ``tensor_parallel.Cut`` of the tensor ``t`` stands for) as a cut of its stored
     data. Only for tensors ``why_dequantized`` lets through."""
     pack = packing(t)
-    if pack is None or not pack.quantized or _cut_dim(cut, len(t.tensor_shape)) != len(t.tensor_shape) - 1:
+    if pack is None or not pack.quantized or _cut_dim(cut) != len(t.tensor_shape) - 1:
         return cut
     return replace(cut, sizes=tuple(s // pack.block * pack.block_bytes for s in cut.sizes))
 
@@ -200,8 +201,8 @@ def stream_form(t: torch.Tensor, cut, size: int, patches: list, dtype) -> Stream
         return None
     if cut is None:
         return StreamForm(True, tuple(patches))
-    probe = with_patches(t, patches) if patches else t
-    if why_dequantized(cut, probe, size) is None:
+    reason = why_dequantized(cut, with_patches(t, patches) if patches else t, size)
+    if reason is None:
         return StreamForm(True)
-    _note_dequantized(cut.what, packing(t).name, why_dequantized(cut, probe, size))
+    _note_dequantized(cut.what, packing(t).name, reason)
     return StreamForm(False, tuple(patches), dtype)

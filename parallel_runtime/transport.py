@@ -75,7 +75,11 @@ def _quantized_reduction(t: torch.Tensor):
     """ComfyUI's QuantizedTensor as its plain tensors (data, scales) and the context its class
     rebuilds it from: pickling the wrapper itself crashes the process (torch 2.14, 0.33's layouts),
     and its plain tensors travel like any other (shared pages, or skeleton slots)."""
-    tensors, ctx = comfy_quantized.flatten(t)
+    return _unflatten_reduction(t, *comfy_quantized.flatten(t))
+
+
+def _unflatten_reduction(t: torch.Tensor, tensors: dict, ctx):
+    """Rebuild QuantizedTensor ``t`` (a Parameter if it is one) around ``tensors`` (or their slots)."""
     rebuilt = (comfy_quantized.unflatten, (type(comfy_quantized.unwrapped(t)), tensors, ctx))
     if isinstance(t, torch.nn.Parameter):
         return (torch.nn.Parameter, (_Deferred(rebuilt), False))
@@ -324,10 +328,7 @@ class _SkeletonPickler(_ModulePickler):
             self.tensors.append(obj)
             self.parts[index] = name
             slots[name] = _Deferred((_slot, (index,)))
-        rebuilt = (comfy_quantized.unflatten, (type(comfy_quantized.unwrapped(obj)), slots, form.ctx))
-        if isinstance(obj, torch.nn.Parameter):
-            return (torch.nn.Parameter, (_Deferred(rebuilt), False))
-        return rebuilt
+        return _unflatten_reduction(obj, slots, form.ctx)
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and comfy_quantized.layout_name(obj) is not None:

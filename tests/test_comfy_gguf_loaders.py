@@ -1,9 +1,7 @@
 """The tiny GGUF files (tools/tiny_gguf.py) through the third-party ComfyUI-GGUF nodes, unchanged,
-as tools/host.py installs them: UnetLoaderGGUF detects the model ComfyUI builds (class and config)
-and a KSampler run finishes; CLIPLoaderGGUF's UMT5 encodes a prompt with the stock CLIPTextEncode
-and conditions the GGUF Wan. In the session's server (which loads ComfyUI-GGUF where the host has
-it) and in this process. Skipped where the host has no ComfyUI-GGUF (its source folder was not
-beside the checkout when the host was set up)."""
+as tools/host.py installs them: UnetLoaderGGUF detects the model ComfyUI builds (class, config,
+blocks kept quantized), and CLIPLoaderGGUF's UMT5 through Shard Text Encoder TP 2 equals the
+unsharded encoder. Fails where the host has no ComfyUI-GGUF (tools/host.py installs it)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +19,7 @@ tiny_gguf = pytest.importorskip("tiny_gguf", reason="tools/tiny_gguf.py needs th
 def gguf_nodes_dir(comfyui_path) -> Path:
     folder = Path(comfyui_path) / "custom_nodes" / "ComfyUI-GGUF"
     if not (folder / "nodes.py").is_file():
-        pytest.skip(f"ComfyUI-GGUF is not installed in {folder} (tools/host.py copies it from ../shared/thirdparty)")
+        pytest.fail(f"ComfyUI-GGUF is not installed in {folder}: tools/host.py copies it from ../shared/thirdparty")
     return folder
 
 
