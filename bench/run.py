@@ -78,19 +78,6 @@ def activation_peak(pid: int, fn) -> int | None:
     return activation_peaks([pid], fn)[0]
 
 
-def release_free_heap() -> None:
-    """Give the allocator's free pages back before measuring PSS: earlier scenarios in this process
-    leave freed but still mapped heap behind, which is not memory the model holds."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def scenario_call(scenario, model):
     """The model's plan, the method the scenario times, and the keyword arguments it needs."""
     from parallel_runtime.plans import find_plan, find_vae_plan
@@ -118,7 +105,7 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
     import torch
 
     from measure import Timer, count_comm_bytes, peak_rss, summary
-    from parallel_runtime.memory import process_memory
+    from parallel_runtime.memory import process_memory, release_free_heap
     from parallel_runtime.runtime import Runtime
 
     repeat = repeat or scenario.repeat
@@ -143,7 +130,8 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
         base_activation = activation_peak(os.getpid(), one_rank)
         reference = one_rank()  # warm-up, and the reference
     release_free_heap()
-    world1_pss = process_memory(os.getpid())["pss_bytes"]  # one process holding the model, after a step
+    world1 = process_memory(os.getpid())  # one process holding the model, after a step
+    world1_pss = world1["pss_bytes"]
 
     # The mesh: this process is rank 0, the rest are workers.
     world_size = scenario.world_size
@@ -196,7 +184,9 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
         "param_fraction_per_rank_max": round(max(r["param_bytes"] for r in status["ranks"]) / model_bytes, 4),
         "rss_bytes_per_rank_max": max(peak_rss(p) or m["rss_bytes"] or 0 for p, m in zip(pids, mem)),
         "pss_bytes_per_rank": [m["pss_bytes"] for m in mem],
+        "uss_bytes_per_rank": [m.get("uss_bytes") for m in mem],
         "pss_bytes_world1": world1_pss,
+        "uss_bytes_world1": world1.get("uss_bytes"),
         "pss_sum_over_world1": (round(sum(m["pss_bytes"] for m in mem) / world1_pss, 3)
                                 if world1_pss and all(m["pss_bytes"] for m in mem) else None),
         "comm_bytes_per_step": comm["bytes"], "collective_calls_per_step": comm["calls"],
@@ -207,9 +197,85 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
     }
 
 
+def run_compiled_scenario(scenario, device: str, threads: int, repeat: int | None) -> dict:
+    """Eager and compiled (the plan's blocks, as Shard Transformer compiles them under
+    TorchCompileModel), at world size 1 and at the scenario's mesh, timed in turn in one run:
+    the speedup compiling gives at world size 2 against the one it gives at world size 1."""
+    import torch
+
+    from measure import Timer, summary
+    from parallel_runtime.compile_regions import CompileSettings, compiled_regions
+    from parallel_runtime.runtime import Runtime
+
+    repeat = repeat or scenario.repeat
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    timer = Timer(dev)
+    model, args, kwargs = scenario.build(0, scenario.batch, dev)
+    plan, method, options = scenario_call(scenario, model)
+    settings = CompileSettings(backend=scenario.extra.get("backend", "inductor"))
+    saved_threads = torch.get_num_threads()
+
+    def one_rank(compiled: bool):
+        torch.set_num_threads(threads if device == "cpu" else saved_threads)
+        try:
+            with compiled_regions(model, plan, settings if compiled else None):
+                return method(*args, **kwargs, **options)
+        finally:
+            torch.set_num_threads(saved_threads)
+
+    compile_s = {}
+    with torch.inference_mode():
+        reference = one_rank(False)
+        t0 = time.perf_counter()
+        one_rank(True)  # compiles
+        compile_s["world1"] = round(time.perf_counter() - t0, 1)
+    if device == "cpu":
+        os.environ["PARALLEL_CPU_THREADS_PER_RANK"] = str(threads)
+    runtime = Runtime()
+    try:
+        world = runtime.world_for(mesh_config(scenario, device))
+        call = {False: lambda: world.forward(model, plan, method, args, {**kwargs, **options}),
+                True: lambda: world.forward(model, plan, method, args, {**kwargs, **options}, compile=settings)}
+        with torch.inference_mode():
+            call[False]()  # sends the weights
+            t0 = time.perf_counter()
+            call[True]()  # compiles on every rank
+            compile_s["world2"] = round(time.perf_counter() - t0, 1)
+            samples = {k: [] for k in ("eager1", "compiled1", "eager2", "compiled2")}
+            for _ in range(repeat):  # in turn, so that a shared machine's slow moments fall on all alike
+                samples["eager1"].append(timer.time_ms(lambda: one_rank(False))[0])
+                samples["compiled1"].append(timer.time_ms(lambda: one_rank(True))[0])
+                samples["eager2"].append(timer.time_ms(call[False])[0])
+                ms, out = timer.time_ms(call[True])
+                samples["compiled2"].append(ms)
+        status = world.status()
+    finally:
+        runtime.shutdown("benchmark done")
+        os.environ.pop("PARALLEL_CPU_THREADS_PER_RANK", None)
+    med = {k: summary(v)["median"] for k, v in samples.items()}
+    gain1, gain2 = med["eager1"] / med["compiled1"], med["eager2"] / med["compiled2"]
+    return {
+        "scenario": scenario.name, "family": scenario.family, "mode": scenario.mode,
+        "mesh": {d: scenario.mesh.get(d, 1) for d in ("cfg", "ring", "ulysses", "tp")},
+        "world_size": scenario.world_size, "device": device, "threads_per_rank": threads if device == "cpu" else None,
+        "tokens": scenario.tokens, "batch": scenario.batch, "backend": settings.backend,
+        **{f"{k}_ms_median": round(v, 2) for k, v in med.items()},
+        "step_ms_median": round(med["compiled2"], 2), "world1_ms_median": round(med["eager1"], 2),
+        "speedup_vs_world1": round(med["eager1"] / med["compiled2"], 3),
+        "compile_speedup_world1": round(gain1, 3), "compile_speedup_world2": round(gain2, 3),
+        "compile_speedup_ratio": round(gain2 / gain1, 3),
+        "first_compiled_step_s": compile_s,
+        "compiles_per_rank": [r["compiles"] for r in status["ranks"]],
+        "recompiles_per_rank": [r["recompiles"] for r in status["ranks"]],
+        "max_abs_err": (out.float() - reference.float()).abs().max().item(),
+        "max_rel_err": ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item(),
+        "notes": scenario.notes, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full", "vae", "memory", "gguf", "none"],
+    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full", "vae", "memory", "gguf", "compile", "none"],
                         help="scenarios to run; 'none' with --peers runs only the peer comparison")
     parser.add_argument("--scenario", nargs="*", help="run these scenarios instead of a suite")
     parser.add_argument("--out", required=True, help="JSON-lines file for the records (appended)")
@@ -241,7 +307,8 @@ def main() -> int:
         for scenario in select(opts.suite, opts.scenario):
             print(f"[bench] {scenario.name}: {scenario.mode} {scenario.mesh} on {opts.device}, {scenario.tokens} tokens",
                   file=sys.stderr, flush=True)
-            record = run_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+            run = run_compiled_scenario if scenario.extra.get("compile") else run_scenario
+            record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat)
             write(record, round_)
             print(f"[bench]   {record['step_ms_median']:.1f} ms vs {record['world1_ms_median']:.1f} ms on one rank: "
                   f"{record['speedup_vs_world1']:.2f}x, err {record['max_abs_err']:.1e}", file=sys.stderr, flush=True)

@@ -206,6 +206,12 @@ SCENARIOS = [
     Scenario("wan_big_gguf_q8_0_ulysses2_memory", "wan", "ulysses", {"ulysses": 2}, wan_gguf(WAN_GGUF_BIG, "Q8_0"),
              WAN_GGUF_BIG.tokens, repeat=2, suites=("gguf", "memory"),
              notes="0.8 GB of Q8_0 blocks: summed PSS of both ranks against one process"),
+    # Compiled (TorchCompileModel under Shard Transformer) against eager, at world size 1 and 2.
+    *[Scenario(f"{name}_compiled", fam, mode, {mode: 2}, build, tokens, suites=("compile",), repeat=5,
+               extra={"compile": True}, notes="eager and compiled, world size 1 and 2, timed in turn")
+      for name, fam, mode, build, tokens in (("flux_ulysses2", "flux", "ulysses", flux(FLUX), FLUX.tokens),
+                                             ("flux_tp2", "flux", "tp", flux(FLUX), FLUX.tokens),
+                                             ("wan_ulysses2", "wan", "ulysses", wan(WAN), WAN.tokens))],
     Scenario("wan_big_ulysses2_memory", "wan", "ulysses", {"ulysses": 2}, wan(WAN_BIG), WAN_BIG.tokens, repeat=2,
              suites=("full", "memory"), notes="1.2 GB of weights: summed PSS of both ranks against one process"),
 ]

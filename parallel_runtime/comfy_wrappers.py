@@ -13,8 +13,11 @@ ComfyUI's cast of wrappers leaves them alone.
 """
 from __future__ import annotations
 
-from . import interrupts
+import inspect
+
+from . import arguments, interrupts
 from .comfy_patcher import note_patcher, source_of
+from .compile_regions import COMPILE_OPTION, CompileSettings
 from .config import ParallelConfig
 from .plans import plan_for_family
 from .runtime import RUNTIME
@@ -37,10 +40,13 @@ class ShardedRun:
         guider = executor.class_obj
         options = getattr(guider, "model_options", {}).get("transformer_options", {})
         wrappers = options.get("wrappers", {})
-        if TORCH_COMPILE_KEY in wrappers.get(APPLY_MODEL, {}):
-            raise RuntimeError("Shard Transformer: TorchCompileModel compiles the whole diffusion model, which "
-                               "would trace the communication between ranks; remove TorchCompileModel from this "
-                               "graph (sharded runs are not compiled in this version)")
+        # TorchCompileModel would compile the whole model, communication included: its wrapper is
+        # taken out of this run (the model options are the run's own copy here) and every rank
+        # compiles the plan's blocks instead, with the same settings (compile_regions).
+        if wrappers.get(APPLY_MODEL, {}).pop(TORCH_COMPILE_KEY, None) is not None:
+            settings = CompileSettings.from_model_options(guider.model_options)
+            if settings is not None:
+                options[COMPILE_OPTION] = settings
         forward_wrappers = wrappers.get(DIFFUSION_MODEL, {})
         if WRAPPER_KEY in forward_wrappers:
             forward_wrappers[WRAPPER_KEY] = forward_wrappers.pop(WRAPPER_KEY)  # last = innermost
@@ -67,8 +73,9 @@ class ShardedForward:
         module = executor.class_obj
         world = RUNTIME.world_for(self.config)
         plan = plan_for_family(self.family)
+        compile = _transformer_options(module, args, kwargs).get(COMPILE_OPTION)
         with interrupts.deferred():  # Cancel lands right after this forward, on every rank alike
-            out = world.forward(module, plan, executor, args, kwargs, source=source_of(module))
+            out = world.forward(module, plan, executor, args, kwargs, source=source_of(module), compile=compile)
         if self.first_step is not None and self.first_step.pending:  # the same step, unsharded, on rank 0
             self.first_step.check(plan.title, out, lambda: executor(*args, **kwargs))
         return out
@@ -118,6 +125,12 @@ class ShardedFirstStage:
 
     def __getattr__(self, name):
         return getattr(self._module, name)
+
+
+def _transformer_options(module, args, kwargs) -> dict:
+    """The forward's transformer_options, passed by keyword or by position (Wan's forward)."""
+    bound = inspect.signature(type(module)._forward).bind(module, *args, **kwargs)
+    return arguments.get_options(bound) or {}
 
 
 def _input_device(args, kwargs):

@@ -11,6 +11,7 @@ import torch
 
 from . import cfg_parallel
 from .attention import SequenceParallel
+from .compile_regions import CompileSettings, compiled_regions
 from .mesh import ProcessMesh
 from .plans import ModelPlan, context_parallel
 from .tensor_parallel import tensor_parallel
@@ -24,8 +25,10 @@ def sequence_parallel(mesh: ProcessMesh) -> SequenceParallel:
 
 
 def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
-                args: tuple, kwargs: dict, *, distributed_attention: bool = True):
-    """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has)."""
+                args: tuple, kwargs: dict, *, distributed_attention: bool = True,
+                compile: CompileSettings | None = None):
+    """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has);
+    ``compile``: the plan's blocks run compiled (compile_regions)."""
     if plan.kind == "vae":  # every rank decodes (or encodes) a band of rows; see vae_parallel
         from .vae_parallel import run_vae
 
@@ -41,6 +44,7 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
     cfg_parallel.split_bound(bound, split)
     with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")), \
             context_parallel(module, plan, bound, sp=sequence_parallel(mesh), sp_group=mesh.group("sp"),
-                             distributed_attention=distributed_attention):
+                             distributed_attention=distributed_attention), \
+            compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)):
         out = call(*bound.args, **bound.kwargs)
     return cfg_parallel.gather_output(out, split, mesh.group("cfg"))

@@ -21,14 +21,16 @@ from . import comm
 # part of the computation the workers repeat: wrappers and callbacks run on rank 0
 # around the sharded forward; "easycache" is the state of ComfyUI's EasyCache and
 # LazyCache, read only by their own wrappers (which run outside ours).
-RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks", "easycache"})
+RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks", "easycache", "hybrid_parallel_compile"})
 # Entries that hold callables when another node patches the model: they would
 # change rank 0's computation only, so they are refused when non-empty.
 PATCH_KEYS = ("patches", "patches_replace", "optimized_attention_override")
 
 # One row per rank in the status table rank 0 shares with its local workers (a remote worker
 # sends its row, followed by its RSS). GPU figures are -1 on other devices.
-STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat", "gpu_allocated", "gpu_reserved")
+STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat", "gpu_allocated", "gpu_reserved",
+                 "compiling", "compiles", "recompiles")
+COMPILE_FIELDS = slice(6, 9)  # compile_regions.CompileWatch.row()
 
 
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:

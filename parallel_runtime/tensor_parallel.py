@@ -30,7 +30,7 @@ from typing import Callable, Union
 
 import torch
 
-from . import comm
+from . import comm, scoped_hooks
 
 Segments = Union[int, Callable[[torch.nn.Module, torch.nn.Module], "list[int] | int"], None]
 
@@ -458,15 +458,15 @@ def tensor_parallel(shard: torch.nn.Module, plan: TensorParallelPlan | None, gro
             rank, memo = shard.tensor_parallel_rank[0], {}
             for pattern, specs in plan.inputs.items():
                 for _, mod in matching_modules(shard, pattern):
-                    handles.append(mod.register_forward_pre_hook(_slice_inputs_hook(specs, rank, size, memo),
-                                                                 with_kwargs=True))
+                    handles.append(scoped_hooks.pre_hook(mod, _slice_inputs_hook(specs, rank, size, memo),
+                                                        with_kwargs=True))
         for _, mod, spec in layer_specs(shard, plan):
             if isinstance(spec, Rowwise):
-                handles.append(mod.register_forward_hook(_all_reduce_hook(group)))
+                handles.append(scoped_hooks.post_hook(mod, _all_reduce_hook(group)))
             elif isinstance(spec, Colwise) and spec.gather:
-                handles.append(mod.register_forward_hook(_gather_hook(group, size)))
+                handles.append(scoped_hooks.post_hook(mod, _gather_hook(group, size)))
             elif isinstance(spec, Norm):
-                handles.append(mod.register_forward_hook(_norm_hook(group, size)))
+                handles.append(scoped_hooks.post_hook(mod, _norm_hook(group, size)))
         yield
     finally:
         for h in handles:

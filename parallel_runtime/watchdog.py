@@ -43,10 +43,11 @@ class Watchdog:
 
     INTERVAL_S = 0.1
 
-    def __init__(self, dead, stop, name: str = "parallel-watchdog"):
+    def __init__(self, dead, stop, name: str = "parallel-watchdog", busy=None):
         self._dead = dead
         self._stop = stop
-        self._armed: tuple[str, float] | None = None  # (what, deadline)
+        self._busy = busy  # -> True while a rank does work that may outlast the timeout (torch.compile)
+        self._armed: tuple[str, float, float] | None = None  # (what, deadline, timeout_s)
         self._closed = threading.Event()
         self.fired: str | None = None  # why it stopped the last guarded section
         self.hung = False              # ... because a living rank never arrived (it killed the workers)
@@ -56,11 +57,17 @@ class Watchdog:
     @contextlib.contextmanager
     def guard(self, what: str, timeout_s: float):
         self.fired, self.hung = None, False
-        self._armed = (what, time.monotonic() + timeout_s)
+        self._armed = (what, time.monotonic() + timeout_s, timeout_s)
         try:
             yield
         finally:
             self._armed = None
+
+    def _is_busy(self) -> bool:
+        try:
+            return bool(self._busy and self._busy())
+        except Exception:  # a worker table being torn down
+            return False
 
     def close(self) -> None:
         self._closed.set()
@@ -70,13 +77,17 @@ class Watchdog:
             armed = self._armed
             if armed is None:
                 continue
-            what, deadline = armed
+            what, deadline, timeout_s = armed
             try:
                 dead = self._dead()
             except Exception:  # a worker table being torn down
                 continue
             if dead:
                 reason = f"rank {', '.join(map(str, dead))} died during the {what}"
+            elif self._is_busy():  # compiling: the section's clock starts again when it is done
+                if self._armed is armed:
+                    self._armed = (what, time.monotonic() + timeout_s, timeout_s)
+                continue
             elif time.monotonic() > deadline:
                 reason = (f"the {what} did not complete within the collective timeout (PARALLEL_COLLECTIVE_TIMEOUT_S); "
                           "a rank hung")

@@ -51,7 +51,8 @@ def _alias_rank0_package(name: str | None) -> None:
     if parent:
         sys.modules.setdefault(parent, types.ModuleType(parent))
     sys.modules[name] = parallel_runtime
-    for sub in ("transport", "protocol", "tensor_parallel", "plans", "plans.base", "comfy_weights"):
+    for sub in ("transport", "protocol", "tensor_parallel", "plans", "plans.base", "comfy_weights", "scoped_hooks",
+                "compile_regions"):
         sys.modules[f"{name}.{sub}"] = importlib.import_module(f"parallel_runtime.{sub}")
 
 
@@ -213,11 +214,12 @@ class _Server:
         module, _ = self.models[key]
         self.conn.send(("digest", {name: tensor_digest(t) for name, t in named_tensors(module)}))
 
-    def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool) -> None:
+    def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None) -> None:
         import torch
 
-        from parallel_runtime import protocol
+        from parallel_runtime import compile_regions, protocol
         from parallel_runtime.execution import run_sharded
+        from parallel_runtime.memory import release_free_heap
 
         started = time.perf_counter()
         self._maybe_inject_fault()
@@ -225,11 +227,15 @@ class _Server:
         tensors = protocol.broadcast_tensors(None, meta, self.device)
         args, kwargs = protocol.unflatten(spec, tensors)
         method = getattr(module, method_name)
-        with torch.inference_mode():
+        if compile is not None and compile_regions.watch().listener is None:
+            compile_regions.watch().listener = self._publish_compile
+        with torch.inference_mode(), compile_regions.watched(compile, (key, repr(self.boot["mesh"])), meta):
             run_sharded(module, plan, self.mesh, method, method, args, kwargs,
-                        distributed_attention=distributed_attention)
+                        distributed_attention=distributed_attention, compile=compile)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels
+        else:
+            release_free_heap()  # the step's freed temporaries, or each CPU rank keeps a step of dead heap
         row = self.status_table[self.rank]
         row[0] = (time.perf_counter() - started) * 1e3
         row[2] += 1
@@ -249,6 +255,14 @@ class _Server:
                 if kind == "hang":  # alive, but never joins the forward's collectives
                     time.sleep(10**6)
                 raise RuntimeError(f"injected fault on rank {self.rank} (PARALLEL_FAULT_INJECT={spec})")
+
+    def _publish_compile(self, watch) -> None:
+        """Live in the shared status table (rank 0's watchdog waits while a rank compiles)."""
+        import torch
+
+        from parallel_runtime import protocol
+
+        self.status_table[self.rank][protocol.COMPILE_FIELDS] = torch.tensor(watch.row(), dtype=torch.float64)
 
     def on_ping(self) -> None:
         self.conn.send(("pong", self.rank))

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import arguments, protocol, transport
+from . import arguments, compile_regions, protocol, transport
 from .model_copies import ModelCopies
 from .watchdog import Watchdog, prepare_nccl_environment
 from .config import ParallelConfig
@@ -195,7 +195,7 @@ class World:
         self._status_table = None
         self.startup_timeout = STARTUP_TIMEOUT_S
         self.copies = ModelCopies(self)
-        self.watchdog = Watchdog(self._dead_ranks, self._stop_collectives)
+        self.watchdog = Watchdog(self._dead_ranks, self._stop_collectives, busy=self._compiling)
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -431,14 +431,14 @@ class World:
 
     # ---------------------------------------------------------------- forward
     def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
-                distributed_attention: bool = True):
+                distributed_attention: bool = True, compile=None):
         """Run ``method(*args, **kwargs)`` of ``module`` on every rank, context-parallel.
 
         ``method`` is rank 0's bound callable (it may be a wrapper chain ending in a
         method of ``module``); workers call the method of the same name on their copy.
         ``source`` (``comfy_weights.WeightSource``) says where the weights come from in
         ComfyUI and when they changed; without it the module's tensors are sent as they are,
-        once.
+        once. ``compile`` (compile_regions.CompileSettings): every rank runs the plan's blocks compiled.
         """
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
@@ -463,7 +463,7 @@ class World:
             started = time.perf_counter()
             with self._threads(), self.watchdog.guard("forward", COLLECTIVE_TIMEOUT_S):
                 for w in self.workers:
-                    w.conn.send(("forward", key, method_name, spec, meta, distributed_attention))
+                    w.conn.send(("forward", key, method_name, spec, meta, distributed_attention, compile))
                 t_sent = time.perf_counter()
                 protocol.broadcast_tensors(tensors, meta, self.device)
                 t_broadcast = time.perf_counter()
@@ -474,8 +474,10 @@ class World:
                 # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
                 # shard's method directly is what the wrapper chain would have done.
                 call = method if run_module is module else _method_of(run_module, method_name)
-                out = run_sharded(run_module, plan, self.mesh, call, _method_of(run_module, method_name), bound.args,
-                                  bound.kwargs, distributed_attention=distributed_attention)
+                with compile_regions.watched(compile, (key, repr(self.config.mesh_sizes)), meta):
+                    out = run_sharded(run_module, plan, self.mesh, call, _method_of(run_module, method_name),
+                                      bound.args, bound.kwargs, distributed_attention=distributed_attention,
+                                      compile=compile)
                 synchronize(self.device)  # a step's time, not the time to queue its kernels
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1
@@ -549,6 +551,13 @@ class World:
                 f"and the next run starts fresh workers." + (f"\nIts last output:\n{tail}" if tail else ""))
 
     # ---------------------------------------------------------------- status
+    def _compiling(self) -> bool:
+        """A rank is compiling (the first compiled step can outlast the collective timeout)."""
+        if compile_regions.watch().compiling:
+            return True
+        table = self._status_table
+        return table is not None and bool((table[1:, protocol.COMPILE_FIELDS.start] > 0).any())
+
     def status(self) -> dict:
         from .memory import process_memory
 
@@ -560,6 +569,7 @@ class World:
                 alive, device = True, self.config.devices[0]
                 last_ms, nbytes, forwards = self.last_forward_ms, self.param_bytes_rank0, self.forwards
                 gpu = protocol.device_memory(self.device)
+                compiling, compiles, recompiles = compile_regions.watch().row()
             else:
                 w = self.workers[rank - 1]
                 if w.host is not None:
@@ -571,6 +581,7 @@ class World:
                 last_ms = row[0] if row[2] > 0 else None
                 nbytes, forwards = int(row[1]), int(row[2])
                 gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
+                compiling, compiles, recompiles = row[protocol.COMPILE_FIELDS]
             if rank > 0 and self.workers[rank - 1].host is not None:  # another host: what it reported
                 rss = row[len(STATUS_FIELDS)] if len(row) > len(STATUS_FIELDS) else None
                 mem = {"rss_bytes": int(rss) if rss else None, "pss_bytes": None}
@@ -580,11 +591,13 @@ class World:
                           **mem, "gpu_allocated_bytes": None if gpu[0] is None else int(gpu[0]),
                           "gpu_reserved_bytes": None if gpu[1] is None else int(gpu[1]),
                           "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
-                          "coords": self.layout.coords(rank), "host": self.config.host_of(rank) or "local"})
+                          "coords": self.layout.coords(rank), "host": self.config.host_of(rank) or "local",
+                          "compiling": bool(compiling), "compiles": int(compiles), "recompiles": int(recompiles)})
         return {"world_size": self.world_size, "mesh": self.config.mesh_sizes, "backend": self.config.backend,
                 "transport": self.copies.transport, "last_weight_send": self.copies.last_send or None,
                 "first_forward": self.first_forward,
-                "state": self.state, "failure": self.failure, "forwards": self.forwards, "ranks": ranks}
+                "state": self.state, "failure": self.failure, "forwards": self.forwards,
+                "compiling": any(r["compiling"] for r in ranks), "ranks": ranks}
 
 
 def synchronize(device: torch.device) -> None:

@@ -4,7 +4,6 @@ import copy
 
 import pytest
 
-from comfy_server import PromptFailed
 from test_comfy_e2e import TOL, edited, final_latent, status
 from workflows import find_nodes, remove_passthrough
 
@@ -112,13 +111,3 @@ def test_easycache_after_the_shard_node(tiny_server, tiny_prompt):
         ran = [a["forwards"] for a in after]
     print(f"forwards per rank over 8 steps: {ran}")
     assert ran[0] == ran[1] and 0 < ran[0] < 8  # EasyCache skipped steps, on every rank alike
-
-
-def test_torch_compile_is_refused_with_a_reason(tiny_server, tiny_prompt):
-    prompt = copy.deepcopy(tiny_prompt)
-    (ks,) = find_nodes(prompt, "KSampler")
-    prompt["81"] = {"class_type": "TorchCompileModel", "inputs": {"model": prompt[ks]["inputs"]["model"],
-                                                                  "backend": "inductor"}}
-    prompt[ks]["inputs"]["model"] = ["81", 0]
-    with pytest.raises(PromptFailed, match="TorchCompileModel compiles the whole diffusion model"):
-        tiny_server.run(prompt, timeout=120)

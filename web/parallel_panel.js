@@ -1,5 +1,6 @@
 // A "Parallel" tab in ComfyUI's sidebar: the mesh and, for every rank, its device, liveness,
-// host memory, GPU memory (allocated / reserved), weights and last step time, from GET
+// host memory, GPU memory (allocated / reserved), weights, last step time and what torch.compile
+// did (frames compiled; "compiling…" while it does), from GET
 // /parallel/status, refreshed every second while the tab is open and at once when a prompt
 // starts or finishes.
 import { app } from "../../scripts/app.js";
@@ -29,6 +30,9 @@ function render(root, status) {
     el("div", { textContent: `World size ${status.world_size} — ${mesh}` }),
     el("div", { textContent: `state: ${status.state}${status.backend ? ` · ${status.backend}` : ""}`
       + `${status.transport ? ` · weights by ${status.transport}` : ""}` }),
+    ...(status.compiling
+      ? [el("div", { className: "hp-compiling", textContent: "compiling (torch.compile): the first step of a new size is slow" })]
+      : []),
   ]);
   const rows = (status.ranks || []).map((r) =>
     el("tr", { className: "hp-rank", dataset: { rank: r.rank } }, [
@@ -40,10 +44,12 @@ function render(root, status) {
       el("td", { textContent: fmtMB(r.param_bytes) }),
       el("td", { textContent: fmtMs(r.last_forward_ms), className: "hp-last-ms" }),
       el("td", { textContent: r.forwards ?? 0, className: "hp-forwards" }),
+      el("td", { className: "hp-compiles",
+        textContent: r.compiling ? "compiling…" : `${r.compiles ?? 0}${r.recompiles ? ` (${r.recompiles} again)` : ""}` }),
     ]),
   );
   const table = el("table", { className: "hp-ranks" }, [
-    el("thead", {}, [el("tr", {}, ["rank", "device", "alive", "memory", "GPU alloc / reserved", "weights", "last step", "steps"]
+    el("thead", {}, [el("tr", {}, ["rank", "device", "alive", "memory", "GPU alloc / reserved", "weights", "last step", "steps", "compiled"]
       .map((h) => el("th", { textContent: h })))]),
     el("tbody", {}, rows),
   ]);
@@ -59,6 +65,7 @@ const style = `
 .hp-panel table { width: 100%; border-collapse: collapse; }
 .hp-panel th, .hp-panel td { text-align: left; padding: 2px 4px; border-bottom: 1px solid #4444; }
 .hp-panel .hp-failure { color: #f77; margin-top: 6px; white-space: pre-wrap; }
+.hp-panel .hp-compiling { color: #fc6; }
 `;
 
 app.registerExtension({

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .. import arguments
+from .. import arguments, scoped_hooks
 from ..tensor_parallel import TensorParallelPlan
 from ..attention import JointLayout, SequenceParallel, context_parallel_attention
 from ..sequence import SeqShard, gather_chunks, take_chunk
@@ -138,6 +138,9 @@ class ModelPlan:
     variant: "Callable[[torch.nn.Module], ModelPlan] | None" = None
     # ComfyUI releases whose stock classes this plan's exactness tests passed on (README matrix).
     tested_on: tuple[str, ...] = TESTED_RELEASES
+    # Modules whose forward torch.compile compiles one by one (compile_regions.py); empty: the
+    # repeated blocks the plan's patterns name.
+    compile_regions: tuple[str, ...] = ()
 
     def for_module(self, module: torch.nn.Module) -> "ModelPlan":
         return self if self.variant is None else self.variant(module)
@@ -268,14 +271,24 @@ class ForwardContext:
             self._layouts[streams] = layout
         return layout
 
-    def attention_override(self, previous):
-        def override(func, *args, **kwargs):
-            attend = func if previous is None else functools.partial(previous, func)
-            if self.cp_sites and self.parts > 1 and self.distributed_attention:
-                return context_parallel_attention(attend, args, kwargs, sp=self.sp,
-                                                  layout=self.layout(self.cp_sites[-1]))
-            return attend(*args, **kwargs)
-        return override
+    def attend(self, previous, func, args, kwargs):
+        attend = func if previous is None else functools.partial(previous, func)
+        if self.cp_sites and self.parts > 1 and self.distributed_attention:
+            return context_parallel_attention(attend, args, kwargs, sp=self.sp, layout=self.layout(self.cp_sites[-1]))
+        return attend(*args, **kwargs)
+
+
+# (context, the override it stands in front of) of the forwards running on this rank, innermost last.
+_RUNNING: list[tuple[ForwardContext, object]] = []
+
+
+@torch._dynamo.disable
+def attention_override(func, *args, **kwargs):
+    """ComfyUI's attention override while a context-parallel forward runs: one object for every
+    forward (a compiled block's guard on it holds from step to step), run outside compiled graphs
+    (it communicates), and finding the forward's state in ``_RUNNING``."""
+    ctx, previous = _RUNNING[-1]
+    return ctx.attend(previous, func, args, kwargs)
 
 
 def _cut_nested(container, cut) -> None:
@@ -507,23 +520,25 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
                 if id(mod) not in guarded:
                     guarded.add(id(mod))
                     known = frozenset(cut_by.get(id(mod), ())) | cp.passed | ALWAYS_PASSED
-                    handles.append(mod.register_forward_pre_hook(_guard_hook(plan, known, name), with_kwargs=True))
+                    handles.append(scoped_hooks.pre_hook(mod, _guard_hook(plan, known, name), with_kwargs=True))
         for pattern, splits in cp.inputs.items():
             for name, mod in matching_modules(root, pattern):
-                handles.append(mod.register_forward_pre_hook(_split_hook(ctx, splits, name), with_kwargs=True))
+                handles.append(scoped_hooks.pre_hook(mod, _split_hook(ctx, splits, name), with_kwargs=True))
         for pattern, streams in cp.attention.items():
             for _, mod in matching_modules(root, pattern):
-                handles.append(mod.register_forward_pre_hook(_enter_site(ctx, streams)))
-                handles.append(mod.register_forward_hook(_leave_site(ctx)))
+                handles.append(scoped_hooks.pre_hook(mod, _enter_site(ctx, streams)))
+                handles.append(scoped_hooks.post_hook(mod, _leave_site(ctx)))
         for pattern, spec in cp.outputs.items():
             for _, mod in matching_modules(root, pattern):
-                handles.append(mod.register_forward_hook(_gather_hook(ctx, spec)))
+                handles.append(scoped_hooks.post_hook(mod, _gather_hook(ctx, spec)))
         had_override = OVERRIDE_KEY in transformer_options
         previous = transformer_options.get(OVERRIDE_KEY)
-        transformer_options[OVERRIDE_KEY] = ctx.attention_override(previous)
+        transformer_options[OVERRIDE_KEY] = attention_override
+        _RUNNING.append((ctx, previous))
         try:
             yield ctx
         finally:
+            _RUNNING.pop()
             if had_override:
                 transformer_options[OVERRIDE_KEY] = previous
             else:

@@ -1,0 +1,144 @@
+"""Compiled regions (parallel_runtime/compile_regions.py) and the hook dispatchers they rely on
+(scoped_hooks.py), in-process; tests/test_comfy_compile.py runs every layout through a server."""
+import copy
+import pickle
+import sys
+
+import torch
+
+from parallel_runtime import scoped_hooks
+from parallel_runtime.compile_regions import CompileSettings, compiled_regions, region_patterns, \
+    skip_transformer_options_guards, watch
+from parallel_runtime.plans import PLANS, plan_for_family
+
+
+def test_settings_come_from_the_compile_nodes_model_options():
+    assert CompileSettings.from_model_options({}) is None
+    options = {"torch_compile_kwargs": {"backend": "inductor", "options": {"guard_filter_fn": len, "x": 1},
+                                        "mode": "max-autotune", "fullgraph": True, "dynamic": None}}
+    settings = CompileSettings.from_model_options(options)
+    # ComfyUI's guard filter is replaced by ours (it would skip the guards on the attention override)
+    assert settings == CompileSettings(backend="inductor", mode="max-autotune", dynamic=None, options=(("x", 1),))
+    pickle.loads(pickle.dumps(settings))  # it travels to the workers with each forward
+
+
+def test_guard_filter_skips_values_in_transformer_options_but_not_what_runs():
+    from torch._dynamo.types import GuardFilterEntry
+
+    def entry(name, kind):
+        return GuardFilterEntry(name=name, has_value=False, value=None, guard_type=kind, derived_guard_types=(),
+                                is_global=False, orig_guard=None)
+
+    entries = [entry("L['transformer_options']['block_index']", "EQUALS_MATCH"),
+               entry("L['transformer_options']['sigmas']", "TENSOR_MATCH"),
+               entry("L['transformer_options']['optimized_attention_override']", "ID_MATCH"),
+               entry("L['transformer_options']", "DICT_KEYS_MATCH"),
+               entry("L['x']", "TENSOR_MATCH"),
+               entry("L['self'].heads", "EQUALS_MATCH")]
+    assert skip_transformer_options_guards(entries) == [False, False, True, True, True, True]
+
+
+def test_every_transformer_plan_names_regions():
+    for plan in PLANS:
+        if plan.kind == "transformer":
+            regions = region_patterns(plan)
+            assert regions and all(p.endswith("*") for p in regions), plan.family
+
+
+def _counting_hook(calls, name):
+    def hook(module, args):
+        calls.append(name)
+        return (args[0] + 1,)
+    return hook
+
+
+def test_scoped_hooks_run_in_order_only_while_active_and_survive_copies():
+    lin = torch.nn.Linear(2, 2)
+    calls = []
+    a = scoped_hooks.pre_hook(lin, _counting_hook(calls, "a"))
+    b = scoped_hooks.pre_hook(lin, _counting_hook(calls, "b"))
+    post = scoped_hooks.post_hook(lin, lambda m, args, out: out * 0)
+    x = torch.zeros(1, 2)
+    assert lin(x).abs().sum() == 0 and calls == ["a", "b"]
+    for h in (a, b, post):
+        h.remove()
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))  # nothing active: as it was
+    assert calls == ["a", "b"]
+    # One permanent dispatcher per kind, whatever was added and removed; a copy (as a worker
+    # unpickles it) brings its dispatchers, and adding a hook to it installs none twice.
+    for copied in (lin, copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        scoped_hooks.pre_hook(copied, _counting_hook(calls, "c")).remove()
+        assert list(copied._forward_pre_hooks.values()) == [scoped_hooks.dispatch_pre]
+        assert list(copied._forward_hooks.values()) == [scoped_hooks.dispatch_post]
+
+
+def test_compiled_regions_are_set_for_one_forward_only():
+    from families import wan_t2v
+
+    model, _, _ = wan_t2v()
+    plan = plan_for_family("wan")
+    blocks = [m for name, m in model.named_modules() if name.count(".") == 1 and name.startswith("blocks.")]
+    assert blocks
+    with compiled_regions(model, plan, CompileSettings()):
+        assert all("forward" in b.__dict__ for b in blocks)
+    assert not any("forward" in b.__dict__ for b in blocks)  # the model ComfyUI owns is left as it was
+
+
+def test_a_graph_compiled_unsharded_is_not_reused_sharded(runtime, monkeypatch):
+    """Compiled at world size 1 first, then Ulysses 2 in the same process: rank 0 must compile
+    again where the context-parallel attention override is set (reusing the world-1 graph
+    computed local attention on rank 0 and left the ranks waiting on each other)."""
+    import parallel_runtime.world as world_module
+    from conftest import REPO, cpu_world
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from scenarios import FluxShape, build_flux
+
+    monkeypatch.setattr(world_module, "COLLECTIVE_TIMEOUT_S", 120)  # a regression fails, it does not hang
+    model, args, kwargs = build_flux(FluxShape(hidden=128, heads=4, double=1, single=1, image_side=16,
+                                               text_tokens=8, context_dim=64, vec_dim=32))
+    plan = plan_for_family("flux")
+    method = model._forward
+    options = {"transformer_options": {}}
+    settings = CompileSettings()
+    with torch.inference_mode():
+        reference = method(*args, **kwargs, **options)
+        with compiled_regions(model, plan, settings):
+            compiled_one = method(*args, **kwargs, **options)
+        world = cpu_world(runtime, {"ulysses_size": 2})
+        before = watch().compiles
+        out = world.forward(model, plan, method, args, {**kwargs, **options}, compile=settings)
+    rel = lambda t: ((t - reference).abs().max() / reference.abs().max()).item()  # noqa: E731
+    print(f"\ncompiled world 1: relative err {rel(compiled_one):.1e}; compiled Ulysses 2: {rel(out):.1e}; "
+          f"rank 0 compiled {watch().compiles - before} frames for the sharded forward")
+    assert rel(compiled_one) <= 2e-6 and rel(out) <= 2e-6
+    assert watch().compiles > before
+    assert all(r["recompiles"] == 0 for r in world.status()["ranks"])
+
+
+def test_the_watchdog_waits_while_a_rank_compiles():
+    """A first compiled step may outlast the collective timeout: while a rank compiles the
+    watchdog's clock starts again; once it is done, a real hang is still stopped."""
+    import threading
+    import time
+
+    from parallel_runtime.watchdog import Watchdog
+
+    compiling = threading.Event()
+    compiling.set()
+    stopped = []
+    dog = Watchdog(lambda: [], lambda reason, hung: stopped.append(time.monotonic()), name="test-watchdog",
+                   busy=compiling.is_set)
+    try:
+        with dog.guard("forward", 0.3):
+            start = time.monotonic()
+            time.sleep(1.0)  # three timeouts long, compiling all along
+            assert not stopped
+            compiling.clear()
+            deadline = time.monotonic() + 3
+            while not stopped and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert stopped and stopped[0] - start > 1.0
+        assert "did not complete" in dog.fired
+    finally:
+        dog.close()
