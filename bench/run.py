@@ -213,6 +213,10 @@ def run_compiled_scenario(scenario, device: str, threads: int, repeat: int | Non
     model, args, kwargs = scenario.build(0, scenario.batch, dev)
     plan, method, options = scenario_call(scenario, model)
     settings = CompileSettings(backend=scenario.extra.get("backend", "inductor"))
+    # Rank 0 runs the blocks at world size 1 and at the mesh's sizes in one process: without this
+    # torch would make the sizes that differ dynamic (slower kernels) where a user's ComfyUI, which
+    # runs one layout, keeps static ones. The workers see one size only.
+    torch._dynamo.config.automatic_dynamic_shapes = False
     saved_threads = torch.get_num_threads()
 
     def one_rank(compiled: bool):
