@@ -14,6 +14,7 @@ ComfyUI's cast of wrappers leaves them alone.
 from __future__ import annotations
 
 import inspect
+import logging
 
 from . import arguments, interrupts
 from .comfy_patcher import note_patcher, source_of
@@ -21,6 +22,8 @@ from .compile_regions import COMPILE_OPTION, CompileSettings
 from .config import ParallelConfig
 from .plans import plan_for_family
 from .runtime import RUNTIME
+
+log = logging.getLogger("parallel")
 
 WRAPPER_KEY = "hybrid_parallel"
 OUTER_SAMPLE = "outer_sample"        # comfy.patcher_extension.WrappersMP names
@@ -47,6 +50,8 @@ class ShardedRun:
             settings = CompileSettings.from_model_options(guider.model_options)
             if settings is not None:
                 options[COMPILE_OPTION] = settings
+                log.info("Shard Transformer: every rank compiles the model's blocks with torch.compile (%s); the "
+                         "first step of a new size is slow while they compile", settings.describe())
         forward_wrappers = wrappers.get(DIFFUSION_MODEL, {})
         if WRAPPER_KEY in forward_wrappers:
             forward_wrappers[WRAPPER_KEY] = forward_wrappers.pop(WRAPPER_KEY)  # last = innermost

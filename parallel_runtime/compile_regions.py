@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import torch
 
 from .plans.base import ModelPlan, matching_modules
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("parallel")
 
 COMPILE_KWARGS = "torch_compile_kwargs"  # comfy_api.torch_helpers.torch_compile.TORCH_COMPILE_KWARGS
 COMPILE_OPTION = "hybrid_parallel_compile"  # transformer_options entry for one sampling run (rank 0 only)
@@ -74,8 +73,6 @@ def skip_transformer_options_guards(guard_entries):
     for entry in guard_entries:
         kinds = (entry.guard_type, *entry.derived_guard_types)
         keep.append("transformer_options" not in entry.name or any(k in _BEHAVIOUR_GUARDS for k in kinds))
-        if os.environ.get("PARALLEL_DEBUG_GUARDS") and "transformer_options" in entry.name:
-            log.warning("guard %s %s %r -> %s", entry.name, kinds, entry.value if entry.has_value else "-", keep[-1])
     return keep
 
 

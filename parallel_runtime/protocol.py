@@ -84,8 +84,9 @@ def unflatten(spec, tensors: list):
         return [unflatten(v, tensors) for v in spec[1]]
     if tag == TUPLE:
         return tuple(unflatten(v, tensors) for v in spec[1])
-    if tag == NAMED:
-        return spec[1](*(unflatten(v, tensors) for v in spec[2]))
+    if tag == NAMED:  # a namedtuple takes its fields one by one, other tuple types (torch.Size) an iterable
+        cls, items = spec[1], [unflatten(v, tensors) for v in spec[2]]
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)
     raise ValueError(f"bad spec node {tag!r}")
 
 

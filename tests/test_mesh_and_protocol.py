@@ -43,6 +43,19 @@ def test_call_specs_round_trip_with_tensors_replaced():
     assert back[0][1:] == (5, "a") and torch.equal(back[1]["transformer_options"]["sigmas"], x * 2)
 
 
+def test_tuple_types_round_trip():
+    """A namedtuple is rebuilt from its fields, other tuple types (torch.Size in a model's
+    options) from an iterable: a worker failed to rebuild a torch.Size before."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+    obj = {"size": torch.Size([2, 3, 4]), "pair": Pair(torch.ones(1), 7)}
+    tensors = []
+    back = protocol.unflatten(protocol.flatten(obj, tensors), tensors)
+    assert back["size"] == torch.Size([2, 3, 4]) and type(back["size"]) is torch.Size
+    assert type(back["pair"]) is Pair and back["pair"].b == 7 and torch.equal(back["pair"].a, torch.ones(1))
+
+
 def test_objects_that_cannot_reach_workers_are_named():
     with pytest.raises(protocol.UnsupportedInput, match=r"input\[1\]\['hook'\] is a builtins.function"):
         protocol.flatten(((), {"hook": lambda: 0}), [])
