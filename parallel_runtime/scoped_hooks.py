@@ -54,12 +54,19 @@ class ScopedHandle:
 
 
 def install(module: torch.nn.Module) -> None:
-    """Both dispatchers on ``module``, once. Looked up in the module itself: a copy pickled to a
-    worker (or deep-copied) brings its dispatchers along."""
-    if not any(h is dispatch_pre for h in module._forward_pre_hooks.values()):
-        module.register_forward_pre_hook(dispatch_pre, with_kwargs=True)
-    if not any(h is dispatch_post for h in module._forward_hooks.values()):
-        module.register_forward_hook(dispatch_post)
+    """Both dispatchers on ``module``, once, and last: the plan's hooks see what hooks added
+    since (another node's, a newer ComfyUI's) did to the arguments, as they did when they were
+    registered per forward. Looked up in the module itself: a copy pickled to a worker (or
+    deep-copied) brings its dispatchers along."""
+    for hooks, dispatcher in ((module._forward_pre_hooks, dispatch_pre), (module._forward_hooks, dispatch_post)):
+        key = next((k for k, h in hooks.items() if h is dispatcher), None)
+        if key is None:
+            if dispatcher is dispatch_pre:
+                module.register_forward_pre_hook(dispatch_pre, with_kwargs=True)
+            else:
+                module.register_forward_hook(dispatch_post)
+        elif next(reversed(hooks)) != key:
+            hooks.move_to_end(key)
 
 
 def _add(module: torch.nn.Module, kind: str, hook, with_kwargs: bool) -> ScopedHandle:
