@@ -19,15 +19,17 @@ def process_memory(pid: int) -> dict:
         return {"rss_bytes": None, "pss_bytes": None, "uss_bytes": None}
 
 
-def release_free_heap() -> None:
+def release_free_heap(collect: bool = True) -> None:
     """Hand freed heap pages back to the OS (glibc's malloc_trim). A CPU rank's forward
     allocates and frees large temporaries (dequantized weights, attention buffers); once
     glibc's dynamic mmap threshold has grown it keeps them mapped, so each rank would hold
-    a step's worth of dead heap between steps."""
+    a step's worth of dead heap between steps. ``collect``: run Python's collector first (not
+    after every step: on a large heap it takes longer than the trim)."""
     import ctypes
     import gc
 
-    gc.collect()
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

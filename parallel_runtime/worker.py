@@ -234,13 +234,13 @@ class _Server:
                         distributed_attention=distributed_attention, compile=compile)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels
-        else:
-            release_free_heap()  # the step's freed temporaries, or each CPU rank keeps a step of dead heap
         row = self.status_table[self.rank]
         row[0] = (time.perf_counter() - started) * 1e3
         row[2] += 1
         row[3] = time.time()
         self._send_stats()
+        if self.device.type == "cpu":
+            release_free_heap(collect=False)  # the step's freed temporaries, or each CPU rank keeps a step of dead heap
 
     def _maybe_inject_fault(self) -> None:
         """Failure drills: PARALLEL_FAULT_INJECT="raise:<rank>:<n>" makes that rank raise on its
