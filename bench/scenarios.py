@@ -217,6 +217,18 @@ SCENARIOS = [
 ]
 
 
+# layout auto against every manual layout of 2 ranks (bench/auto_bench.py).
+SCENARIOS += [
+    Scenario("flux_auto2", "flux", "auto", {"ring": 2}, flux(FLUX), FLUX.tokens, suites=("auto",), extra={"auto": True}),
+    Scenario("flux_cfg_auto2", "flux", "auto", {"ring": 2}, flux(FLUX), FLUX.tokens, batch=2, suites=("auto",),
+             extra={"auto": True}, notes="batch 2 = cond + uncond"),
+    Scenario("wan_auto2", "wan", "auto", {"ring": 2}, wan(WAN), WAN.tokens, suites=("auto",), extra={"auto": True}),
+    Scenario("flux_small_auto2", "flux", "auto", {"ring": 2}, flux(FluxShape(image_side=64, text_tokens=64)),
+             FluxShape(image_side=64, text_tokens=64).tokens, suites=("auto",), extra={"auto": True},
+             notes="1088 tokens: weights and communication weigh more"),
+]
+
+
 def select(suite: str, names: list[str] | None = None) -> list[Scenario]:
     if names:
         known = {s.name: s for s in SCENARIOS}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..parallel_runtime.config import BACKENDS, ConfigError, build_config
+from ..parallel_runtime.config import BACKENDS, LAYOUTS, ConfigError, build_config
 from .host import host_devices
 
 ParallelConfigType = io.Custom("PARALLEL_CONFIG")
@@ -40,15 +40,21 @@ class ParallelConfigNode(io.ComfyNode):
                 io.String.Input("rendezvous", default="", optional=True,
                                 tooltip="With several hosts: this machine's address and a free port that the other "
                                         "hosts can reach, e.g. '10.0.0.1:29600'."),
+                io.Combo.Input("layout", options=list(LAYOUTS), default="manual", optional=True,
+                               tooltip="manual: the sizes above are the layout. auto: they (or the devices list, or "
+                                       "every GPU) only give the number of ranks, and each model runs in the "
+                                       "layout a measured cost model predicts fastest for its size, chosen at its "
+                                       "first step (shown in the Parallel tab and the log)."),
             ],
             outputs=[ParallelConfigType.Output(display_name="parallel_config")],
         )
 
     @classmethod
     def validate_inputs(cls, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto",
-                        hosts="", rendezvous=""):
+                        hosts="", rendezvous="", layout="manual"):
         values = dict(ulysses_size=ulysses_size, ring_size=ring_size, tp_size=tp_size, cfg_size=cfg_size,
-                      devices=devices, backend=backend, hosts=hosts or "", rendezvous=rendezvous or "")
+                      devices=devices, backend=backend, hosts=hosts or "", rendezvous=rendezvous or "",
+                      layout=layout or "manual")
         if any(v is None for v in values.values()):
             return True  # linked from another node: checked when the node runs
         try:
@@ -59,8 +65,8 @@ class ParallelConfigNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, ulysses_size, ring_size, tp_size, cfg_size, devices, backend, hosts="",
-                rendezvous="") -> io.NodeOutput:
+                rendezvous="", layout="manual") -> io.NodeOutput:
         config = build_config(ulysses_size=ulysses_size, ring_size=ring_size, tp_size=tp_size, cfg_size=cfg_size,
                               devices=devices, backend=backend, hosts=hosts or "", rendezvous=rendezvous or "",
-                              host=host_devices())
+                              host=host_devices(), layout=layout or "manual")
         return io.NodeOutput(config)

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 MESH_DIMS = ("cfg", "ring", "ulysses", "tp")
 SIZE_INPUTS = {"cfg": "cfg_size", "ring": "ring_size", "ulysses": "ulysses_size", "tp": "tp_size"}
 BACKENDS = ("auto", "nccl", "gloo")
+# manual: the sizes are the layout. auto: the sizes (or the devices) only give the number of
+# ranks; each model gets the layout the cost model predicts fastest at its first forward.
+LAYOUTS = ("manual", "auto")
 
 # What this version of the runtime can run. Every other size must be 1, and a
 # config asking for more is refused at the node instead of being ignored.
@@ -39,6 +42,11 @@ class ParallelConfig:
     # Several hosts: (name, ranks) in rank order, ComfyUI's host first; empty for one host.
     hosts: tuple[tuple[str, int], ...] = ()
     rendezvous: str = ""                  # "address:port" rank 0 listens on for the other hosts
+    layout: str = "manual"                # "auto": the sizes above are only the starting layout
+
+    @property
+    def auto_layout(self) -> bool:
+        return self.layout == "auto"
 
     @property
     def multi_host(self) -> bool:
@@ -69,6 +77,8 @@ class ParallelConfig:
         dims = " x ".join(f"{d}{s}" for d, s in self.mesh_sizes.items() if s > 1) or "single rank"
         note = "; gloo on CUDA works but is slower than NCCL" if self.backend == "gloo" and \
             self.device_type == "cuda" else ""
+        if self.auto_layout:
+            dims = f"layout auto over {self.world_size} ranks"
         return f"{dims} on {', '.join(self.devices)} ({self.backend}{note})"
 
 
@@ -255,10 +265,38 @@ def parse_rendezvous(spec: str, node: str = NODE) -> str:
     return text
 
 
+def auto_world_size(sizes: dict[str, int], parsed_devices, host: HostDevices, node: str = NODE) -> int:
+    """layout auto: the number of ranks is the product of the sizes when it is above 1, else one
+    rank per listed device, else every GPU of this machine."""
+    product = 1
+    for value in sizes.values():
+        product *= value
+    if product > 1:
+        return product
+    if isinstance(parsed_devices, list):
+        return len(parsed_devices)
+    if host.main_device.startswith("cuda") and parsed_devices == "auto":
+        return host.cuda_count
+    raise _fail("layout", "auto", "give the number of ranks: list one device per rank in 'devices' (for example "
+                "'cpu,cpu'), or set a size such as ulysses_size to the number of ranks; the layout is then "
+                "chosen for you", node)
+
+
 def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto",
-                 host: HostDevices, node: str = NODE, hosts: str = "", rendezvous: str = "") -> ParallelConfig:
+                 host: HostDevices, node: str = NODE, hosts: str = "", rendezvous: str = "",
+                 layout: str = "manual") -> ParallelConfig:
     sizes = {"cfg": cfg_size, "ring": ring_size, "ulysses": ulysses_size, "tp": tp_size}
     validate_sizes(sizes, node)
+    layout = (layout or "manual").strip().lower()
+    if layout not in LAYOUTS:
+        raise _fail("layout", layout, f"choose one of {', '.join(LAYOUTS)}", node)
+    if layout == "auto":
+        n = auto_world_size(sizes, parse_devices(devices, node, share=host.share_devices), host, node)
+        if n < 2:
+            raise _fail("layout", "auto", f"it needs at least 2 ranks and this gives {n}; list more devices or "
+                        "use a size above 1", node)
+        if n != cfg_size * ring_size * ulysses_size * tp_size:  # start as Ring over every rank: any model fits
+            cfg_size, ring_size, ulysses_size, tp_size = 1, n, 1, 1
     world_size = cfg_size * ring_size * ulysses_size * tp_size
     host_list = parse_hosts(hosts, world_size, tp_size, node)
     local_ranks = host_list[0][1] if host_list else world_size
@@ -273,4 +311,4 @@ def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices=
     shared = device_type == "cuda" and len(set(local)) < len(local)
     return ParallelConfig(cfg_size=cfg_size, ring_size=ring_size, ulysses_size=ulysses_size, tp_size=tp_size,
                           devices=resolved, backend=resolve_backend(backend, device_type, node, host.nccl, shared),
-                          devices_spec=str(devices), hosts=host_list, rendezvous=address)
+                          devices_spec=str(devices), hosts=host_list, rendezvous=address, layout=layout)

@@ -95,12 +95,15 @@ class ModelCopies:
         return None if copy is None else (copy.run_module or module)
 
     # ------------------------------------------------------------ send
-    def ensure(self, module: torch.nn.Module, plan: ModelPlan, source: "comfy_weights.WeightSource | None"):
+    def ensure(self, module: torch.nn.Module, plan: ModelPlan, source: "comfy_weights.WeightSource | None",
+               layout=None):
         """The key the workers know ``module`` by and the module rank 0 runs (``module`` itself,
-        or its tensor-parallel shard), sending the weights first unless the ranks hold this version."""
+        or its tensor-parallel shard), sending the weights first unless the ranks hold this version
+        (in ``layout``, default the world's: its tensor-parallel slices are cut for that layout)."""
         world = self.world
+        layout = layout or world.layout
         self.drop_dead()
-        version = (world.layout.sizes, source.version() if source is not None else ("as given",))
+        version = (layout.sizes, source.version() if source is not None else ("as given",))
         found = self._copies.get(module)
         if found is not None and found.version == version:
             return found.key, found.run_module or module
@@ -113,8 +116,8 @@ class ModelCopies:
             found.run_module = None
         started = time.perf_counter()
         tp_dim = "world" if plan.kind == "encoder" else "tp"  # text encoders: sliced over every rank
-        tp = world.mesh.size(tp_dim) if plan.tensor_parallel is not None else 1
-        coords = [r if tp_dim == "world" else world.layout.coords(r)["tp"] for r in range(world.world_size)]
+        tp = (world.world_size if tp_dim == "world" else layout.size("tp")) if plan.tensor_parallel is not None else 1
+        coords = [r if tp_dim == "world" else layout.coords(r)["tp"] for r in range(world.world_size)]
         if self.transport == "shared":
             run_module = self._send_shared(module, plan, source, key, tp, coords)
         else:

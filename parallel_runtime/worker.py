@@ -126,6 +126,7 @@ class _Server:
         dist.init_process_group(boot["backend"], store=store, rank=self.rank, world_size=boot["world_size"],
                                 timeout=timeout)
         self.mesh = ProcessMesh(MeshLayout.from_sizes(boot["mesh"]), self.rank)
+        self.meshes = {self.mesh.layout.sizes: self.mesh}  # every layout rank 0 formed groups for
         self.models: dict[str, tuple] = {}
         conn.send(("ready", self.rank))
 
@@ -214,7 +215,25 @@ class _Server:
         module, _ = self.models[key]
         self.conn.send(("digest", {name: tensor_digest(t) for name, t in named_tensors(module)}))
 
-    def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None) -> None:
+    def on_probe(self) -> None:
+        from parallel_runtime import probe
+
+        self.conn.send(("probe", probe.run(self.device, self.rank, self.boot["world_size"])))
+
+    def on_calibrate(self, run: dict, layouts: list) -> None:
+        from parallel_runtime.auto_layout import calibrate
+
+        self.conn.send(("calibrate", calibrate(run, layouts, self.device)))
+
+    def on_mesh(self, sizes: list) -> None:
+        """Form the process groups of another layout (rank 0 does the same, in the same order)."""
+        from parallel_runtime.mesh import MeshLayout, ProcessMesh
+
+        layout = MeshLayout(tuple(sizes))
+        self.meshes[layout.sizes] = ProcessMesh(layout, self.rank)
+
+    def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None,
+                   layout=None) -> None:
         import torch
 
         from parallel_runtime import compile_regions, protocol
@@ -229,8 +248,9 @@ class _Server:
         method = getattr(module, method_name)
         if compile is not None and compile_regions.watch().listener is None:
             compile_regions.watch().listener = self._publish_compile
-        with torch.inference_mode(), compile_regions.watched(compile, (key, repr(self.boot["mesh"])), meta):
-            run_sharded(module, plan, self.mesh, method, method, args, kwargs,
+        mesh = self.meshes[tuple(layout)] if layout is not None else self.mesh
+        with torch.inference_mode(), compile_regions.watched(compile, (key, repr(mesh.layout.sizes)), meta):
+            run_sharded(module, plan, mesh, method, method, args, kwargs,
                         distributed_attention=distributed_attention, compile=compile)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels

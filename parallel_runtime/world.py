@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import arguments, compile_regions, protocol, transport
+from . import arguments, compile_regions, probe, protocol, transport
+from .auto_layout import AutoLayouts
 from .model_copies import ModelCopies
 from .watchdog import Watchdog, prepare_nccl_environment
 from .config import ParallelConfig
@@ -61,6 +62,7 @@ COLLECTIVE_TIMEOUT_S = _env_seconds("PARALLEL_COLLECTIVE_TIMEOUT_S", 300)
 BACKEND_TIMEOUT_S = COLLECTIVE_TIMEOUT_S + 60
 SHUTDOWN_GRACE_S = 15.0  # for workers to unmap their weights and exit when told to
 STATUS_FIELDS = protocol.STATUS_FIELDS
+PROBE_ENV = "PARALLEL_PROBE"  # "0": no link and compute probe at world start (unless layout is auto)
 
 
 def mirrored_comfy_args(device_type: str) -> dict:
@@ -179,11 +181,16 @@ class World:
         self.threads = cpu_threads_per_rank(self.world_size) if config.device_type == "cpu" else None
         self.last_dispatch: dict[str, float] = {}
         self.workers: list[_Worker] = []
-        self.mesh: ProcessMesh | None = None
+        self.mesh: ProcessMesh | None = None  # the config's layout
+        # Every layout this world has formed groups for (layout: auto runs each model in its own).
+        self.meshes: dict[tuple[int, ...], ProcessMesh] = {}
         self.state = "starting"
         self.failure: str | None = None
         self.started_at = time.time()
         self.last_forward_ms: float | None = None
+        self.probe: dict | None = None  # probe.py: what the ranks' links and compute measured
+        self.auto = AutoLayouts(self)     # layout: auto, the layout chosen per model
+        self.notes: list[str] = []        # what a user should know about this world's runs
         self.forwards = 0
         self.ready_at: float | None = None
         # The first forward: its duration (weights sent included) and when it ended after the
@@ -270,8 +277,25 @@ class World:
         dist.init_process_group(self.config.backend, store=self._store, rank=0, world_size=self.world_size,
                                 timeout=timeout)
         self.mesh = ProcessMesh(self.layout, 0)
+        self.meshes[self.layout.sizes] = self.mesh
         for w in self.workers:
             self.expect(w, "ready", time.monotonic() + STARTUP_TIMEOUT_S)
+        self._probe()
+
+    def _probe(self):
+        """Links and compute of these ranks (probe.py), once per device set in this process."""
+        key = probe.cache_key(self.config, self.threads)
+        self.probe = probe.cached(key)
+        if self.probe is not None or os.environ.get(PROBE_ENV, "1") == "0" and not self.config.auto_layout:
+            return
+        for w in self.workers:
+            w.conn.send(("probe",))
+        with self._threads():
+            mine = probe.run(self.device, 0, self.world_size)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        self.probe = probe.combine([mine] + [self.expect(w, "probe", deadline)[1] for w in self.workers])
+        probe.remember(key, self.probe)
+        log.info("parallel world: %s", probe.describe(self.probe))
 
     def _accept_all(self, deadline: float):
         pending = {w.rank: w for w in self.workers}
@@ -353,6 +377,7 @@ class World:
             # fails at once, releases its weights and exits, instead of waiting for a timeout.
             # The subgroups close their connections only once nothing references them.
             self.mesh = None
+            self.meshes.clear()
             if dist.is_initialized():
                 try:
                     dist.destroy_process_group()
@@ -431,7 +456,7 @@ class World:
 
     # ---------------------------------------------------------------- forward
     def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
-                distributed_attention: bool = True, compile=None):
+                distributed_attention: bool = True, compile=None, layout: MeshLayout | None = None):
         """Run ``method(*args, **kwargs)`` of ``module`` on every rank, context-parallel.
 
         ``method`` is rank 0's bound callable (it may be a wrapper chain ending in a
@@ -439,6 +464,7 @@ class World:
         ``source`` (``comfy_weights.WeightSource``) says where the weights come from in
         ComfyUI and when they changed; without it the module's tensors are sent as they are,
         once. ``compile`` (compile_regions.CompileSettings): every rank runs the plan's blocks compiled.
+        ``layout``: the ranks' layout for this model (same world size; default: the config's).
         """
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
@@ -447,6 +473,13 @@ class World:
         method_name = _method_name(method)
         bound = inspect.signature(_method_of(module, method_name)).bind(*args, **kwargs)
         check_supported_arguments(plan, bound)
+        if layout is None and self.config.auto_layout and plan.kind == "transformer":
+            layout = self.auto.layout_for(module, plan, _method_of(module, method_name), bound.args, bound.kwargs)
+        layout = layout or self.layout
+        if layout.world_size != self.world_size:
+            raise ValueError(f"layout {layout.sizes} has {layout.world_size} ranks; this world has {self.world_size}")
+        if plan.kind == "transformer":
+            self._note_idle_cfg(layout, bound)
         worker_bound = inspect.signature(_method_of(module, method_name)).bind(*bound.args, **bound.kwargs)
         if plan.kind == "transformer":  # text encoders take no transformer_options
             options = arguments.get_options(bound)
@@ -458,12 +491,15 @@ class World:
         # Nothing has reached a worker yet: errors above leave the world usable.
         try:
             sends = self.copies.sends
+            with self.watchdog.guard("process groups", STARTUP_TIMEOUT_S):
+                mesh = self.mesh_for(layout)
             with self.watchdog.guard("weight send", STARTUP_TIMEOUT_S):
-                key, run_module = self.copies.ensure(module, plan, source)
+                key, run_module = self.copies.ensure(module, plan, source, layout)
             started = time.perf_counter()
             with self._threads(), self.watchdog.guard("forward", COLLECTIVE_TIMEOUT_S):
                 for w in self.workers:
-                    w.conn.send(("forward", key, method_name, spec, meta, distributed_attention, compile))
+                    w.conn.send(("forward", key, method_name, spec, meta, distributed_attention, compile,
+                                 list(layout.sizes)))
                 t_sent = time.perf_counter()
                 protocol.broadcast_tensors(tensors, meta, self.device)
                 t_broadcast = time.perf_counter()
@@ -474,8 +510,8 @@ class World:
                 # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
                 # shard's method directly is what the wrapper chain would have done.
                 call = method if run_module is module else _method_of(run_module, method_name)
-                with compile_regions.watched(compile, (key, repr(self.config.mesh_sizes)), meta):
-                    out = run_sharded(run_module, plan, self.mesh, call, _method_of(run_module, method_name),
+                with compile_regions.watched(compile, (key, repr(layout.sizes)), meta):
+                    out = run_sharded(run_module, plan, mesh, call, _method_of(run_module, method_name),
                                       bound.args, bound.kwargs, distributed_attention=distributed_attention,
                                       compile=compile)
                 synchronize(self.device)  # a step's time, not the time to queue its kernels
@@ -488,6 +524,7 @@ class World:
                 self.copies.last_send["forward_s"] = round(time.perf_counter() - t0, 3)
             return out
         except BaseException as exc:
+            mesh = None  # noqa: F841  (this frame must not keep the subgroups open through the shutdown)
             if self.watchdog.hung:  # it killed the workers: their deaths say nothing
                 failure = f"{self.watchdog.fired}; every rank was stopped and the next run starts fresh workers"
             else:
@@ -498,6 +535,41 @@ class World:
             if failure:
                 raise WorkerFailure(failure) from exc
             raise
+
+    def calibrate(self, run: dict, layouts: list) -> list[dict]:
+        """Every rank times attention and a matmul at a run's size at once (auto_layout.calibrate)."""
+        from .auto_layout import calibrate
+
+        with self.watchdog.guard("layout timings", STARTUP_TIMEOUT_S):
+            for w in self.workers:
+                w.conn.send(("calibrate", run, layouts))
+            with self._threads():
+                mine = calibrate(run, layouts, self.device)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            return [mine] + [self.expect(w, "calibrate", deadline)[1] for w in self.workers]
+
+    def _note_idle_cfg(self, layout: MeshLayout, bound) -> None:
+        """A cfg dimension with nothing to split (CFG 1, or cond and uncond run apart) is said in the status."""
+        cfg = layout.size("cfg")
+        first = next(iter(bound.arguments.values()), None)
+        batch = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
+        if cfg > 1 and batch % cfg:
+            note = (f"cfg_size {cfg} has nothing to split: the model runs with a batch of {batch} (CFG 1, or "
+                    f"ComfyUI running cond and uncond apart), so the {cfg} cfg groups compute the same thing; "
+                    "set cfg_size 1 (or layout auto) and give the ranks to ulysses or ring")
+            if note not in self.notes:
+                log.warning("parallel: %s", note)
+                self.notes.append(note)
+
+    def mesh_for(self, layout: MeshLayout) -> ProcessMesh:
+        """This world's process groups for ``layout``, formed on every rank the first time."""
+        mesh = self.meshes.get(layout.sizes)
+        if mesh is None:
+            for w in self.workers:
+                w.conn.send(("mesh", list(layout.sizes)))
+            mesh = self.meshes[layout.sizes] = ProcessMesh(layout, 0)  # new_group: every rank, in order
+            log.info("parallel world: process groups for layout %s formed", describe_layout(layout))
+        return mesh
 
     def _threads(self):
         world = self
@@ -595,9 +667,16 @@ class World:
                           "compiling": bool(compiling), "compiles": int(compiles), "recompiles": int(recompiles)})
         return {"world_size": self.world_size, "mesh": self.config.mesh_sizes, "backend": self.config.backend,
                 "transport": self.copies.transport, "last_weight_send": self.copies.last_send or None,
-                "first_forward": self.first_forward,
+                "first_forward": self.first_forward, "probe": self.probe, "layout": self.config.layout,
+                "layouts": self.auto.status(), "notes": list(self.notes),
                 "state": self.state, "failure": self.failure, "forwards": self.forwards,
                 "compiling": any(r["compiling"] for r in ranks), "ranks": ranks}
+
+
+def describe_layout(layout: MeshLayout) -> str:
+    from .config import MESH_DIMS
+
+    return " x ".join(f"{d}{s}" for d, s in zip(MESH_DIMS, layout.sizes) if s > 1) or "single rank"
 
 
 def synchronize(device: torch.device) -> None:

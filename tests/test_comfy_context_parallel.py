@@ -111,3 +111,17 @@ def test_easycache_after_the_shard_node(tiny_server, tiny_prompt):
         ran = [a["forwards"] for a in after]
     print(f"forwards per rank over 8 steps: {ran}")
     assert ran[0] == ran[1] and 0 < ran[0] < 8  # EasyCache skipped steps, on every rank alike
+
+
+def test_layout_auto_workflow(tiny_server, tiny_prompt):
+    """Parallel Config with layout auto over two CPU ranks: the tiny Wan runs in the layout the cost
+    model chose (never cfg at CFG 1 batching: here cond and uncond are batched) and equals the
+    unsharded run; the status route shows the probe and the choice."""
+    sharded = edited(tiny_prompt, ParallelConfig={"ulysses_size": 1, "devices": "cpu,cpu", "layout": "auto"})
+    compare(tiny_server, sharded, remove_passthrough(tiny_prompt, "ShardTransformer", "model"), "tiny Wan, layout auto")
+    info = status(tiny_server)
+    assert info["layout"] == "auto" and info["world_size"] == 2
+    assert len(info["probe"]["ranks"]) == 2
+    (choice,) = [c for c in info["layouts"] if c["model"] == "WanModel"]
+    assert choice["alternatives"][0]["sizes"] == choice["layout"]
+    assert all(r["forwards"] > 0 for r in info["ranks"])

@@ -1,6 +1,7 @@
 // A "Parallel" tab in ComfyUI's sidebar: the mesh and, for every rank, its device, liveness,
 // host memory, GPU memory (allocated / reserved), weights, last step time and what torch.compile
-// did (frames compiled; "compiling…" while it does), from GET
+// did (frames compiled; "compiling…" while it does), the links and compute the probe measured,
+// the layout "layout: auto" chose per model (with its predicted alternatives), from GET
 // /parallel/status, refreshed every second while the tab is open and at once when a prompt
 // starts or finishes.
 import { app } from "../../scripts/app.js";
@@ -9,6 +10,9 @@ import { api } from "../../scripts/api.js";
 const MB = 1024 * 1024;
 const fmtMB = (bytes) => (bytes == null ? "–" : `${(bytes / MB).toFixed(0)} MB`);
 const fmtMs = (ms) => (ms == null ? "–" : `${ms.toFixed(ms < 100 ? 1 : 0)} ms`);
+const dims = (sizes) => Object.entries(sizes || {}).filter(([, n]) => n > 1).map(([d, n]) => `${d} ${n}`).join(" × ")
+  || "single rank";
+const GB = 1e9;
 const fmtGpu = (r) => (r.gpu_allocated_bytes == null ? "–"
   : `${(r.gpu_allocated_bytes / MB).toFixed(0)} / ${(r.gpu_reserved_bytes / MB).toFixed(0)} MB`);
 
@@ -22,12 +26,20 @@ function el(tag, attrs = {}, children = []) {
 }
 
 function render(root, status) {
-  const mesh = Object.entries(status.mesh || {})
-    .filter(([, size]) => size > 1)
-    .map(([dim, size]) => `${dim} ${size}`)
-    .join(" × ") || "single rank";
+  const mesh = status.layout === "auto" ? "layout auto" : dims(status.mesh);
+  const links = status.probe?.links;
+  const probe = links
+    ? [el("div", { className: "hp-probe", textContent: `links: all-to-all ${(links.all_to_all.bytes_per_s / GB).toFixed(1)} GB/s, `
+        + `send/recv ${(links.send_recv.bytes_per_s / GB).toFixed(1)} GB/s, all-reduce `
+        + `${(links.all_reduce.bytes_per_s / GB).toFixed(1)} GB/s` })]
+    : [];
+  const chosen = (status.layouts || []).map((c) => el("div", { className: "hp-layout",
+    textContent: `${c.model} (${c.tokens} tokens, batch ${c.batch}): ${dims(c.layout)}, predicted `
+      + `${fmtMs(c.predicted_step_ms)}` + c.alternatives.slice(1, 3).map((a) => `; ${dims(a.sizes)} ${fmtMs(a.step_ms)}`).join("") }));
+  const notes = (status.notes || []).map((n) => el("div", { className: "hp-note", textContent: n }));
   const header = el("div", { className: "hp-header" }, [
     el("div", { textContent: `World size ${status.world_size} — ${mesh}` }),
+    ...probe, ...chosen, ...notes,
     el("div", { textContent: `state: ${status.state}${status.backend ? ` · ${status.backend}` : ""}`
       + `${status.transport ? ` · weights by ${status.transport}` : ""}` }),
     ...(status.compiling
@@ -66,6 +78,7 @@ const style = `
 .hp-panel th, .hp-panel td { text-align: left; padding: 2px 4px; border-bottom: 1px solid #4444; }
 .hp-panel .hp-failure { color: #f77; margin-top: 6px; white-space: pre-wrap; }
 .hp-panel .hp-compiling { color: #fc6; }
+.hp-panel .hp-note { color: #fc6; }
 `;
 
 app.registerExtension({

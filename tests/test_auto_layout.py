@@ -1,0 +1,164 @@
+"""layout: auto (issue 19): the probe, the cost model's layouts and refusals, and worlds that run
+each model in the layout it chose, against one process."""
+import itertools
+
+import pytest
+import torch
+
+from parallel_runtime import auto_layout, cost_model
+from parallel_runtime.config import ConfigError, HostDevices, build_config
+from parallel_runtime.plans import find_plan
+from tiny_models import TinyWan, build_wan_model
+
+CPU = HostDevices("cpu", cpu_count=2)
+TOL = 1e-5
+
+
+def fake_probe(ranks=2, flops=1e10, free=1 << 40, all_to_all=1e9, send_recv=1e9, all_reduce=1e9, latency=1e-5):
+    """Probe figures as probe.combine returns them, chosen by the test."""
+    links = {name: {"latency_s": latency, "bytes_per_s": bw}
+             for name, bw in (("all_to_all", all_to_all), ("send_recv", send_recv), ("all_reduce", all_reduce))}
+    return {"ranks": [{"rank": r, "matmul_flops_per_s": flops, "op_overhead_s": 0.0, "attention_flops_per_s": flops, "ring_attention_flops_per_s": flops,
+                       "memory_bytes_per_s": 1e10, "free_memory_bytes": free} for r in range(ranks)],
+            "links": links, "seconds": 0.1}
+
+
+@pytest.fixture(scope="module")
+def wan():
+    torch.manual_seed(0)
+    model = build_wan_model(TinyWan(), text_dim=64)
+
+    def inputs(batch):
+        gen = torch.Generator().manual_seed(batch)
+        return (torch.randn(batch, 16, 3, 10, 14, generator=gen), torch.linspace(1.0, 2.0, batch),
+                torch.randn(batch, 7, 64, generator=gen))
+    return model, inputs
+
+
+def shape_of(model, args):
+    plan = find_plan(model)
+    return auto_layout.measure_shape(model, plan, model._forward, args, {"transformer_options": {}})
+
+
+def test_every_factorisation_of_the_world_is_a_candidate():
+    for n in range(1, 9):
+        brute = [dict(zip(("cfg", "ring", "ulysses", "tp"), sizes))
+                 for sizes in itertools.product(range(1, n + 1), repeat=4) if sizes[0] * sizes[1] * sizes[2] * sizes[3] == n]
+        found = cost_model.layouts(n)
+        assert sorted(map(lambda d: tuple(d.values()), found)) == sorted(map(lambda d: tuple(d.values()), brute))
+
+
+def test_the_shape_is_read_from_the_run(wan):
+    model, inputs = wan
+    x, t, c = inputs(2)
+    shape = shape_of(model, (x, t, c))
+    # Wan patchifies (1, 2, 2): frames x (height / 2) x (width / 2) tokens.
+    assert shape.tokens == 3 * (10 // 2) * (14 // 2)
+    assert shape.batch == 2 and shape.hidden == TinyWan().dim and shape.heads == TinyWan().num_heads
+    assert shape.blocks == TinyWan().num_layers and shape.attention_sites == TinyWan().num_layers
+    # Every block's matmuls, from the first block: per token (batch x tokens rows) or per text token.
+    text_rows = 2 * c.shape[1]
+    token_macs = sample_macs = 0
+    for name, m in model.blocks.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            if name.split(".")[-2:] in (["cross_attn", "k"], ["cross_attn", "v"]):
+                sample_macs += text_rows * m.in_features * m.out_features
+            else:
+                token_macs += 2 * shape.tokens * m.in_features * m.out_features
+    assert shape.token_macs_split + shape.token_macs_whole == token_macs
+    assert shape.sample_macs_split + shape.sample_macs_whole == sample_macs
+    assert shape.linear_calls == sum(isinstance(m, torch.nn.Linear) for m in model.blocks.modules())
+
+
+def test_cfg_is_never_chosen_at_cfg_1_and_heads_that_do_not_divide_are_refused(wan):
+    model, inputs = wan
+    plan = find_plan(model)
+    config = build_config(devices="cpu,cpu,cpu,cpu", layout="auto", host=HostDevices("cpu", cpu_count=4))
+    one = shape_of(model, inputs(1))
+    runnable, refused = auto_layout.choose(model, plan, one, fake_probe(4), config, 4)
+    assert runnable and all(p.sizes["cfg"] == 1 for p in runnable)
+    assert "nothing to split" in refused["cfg4"] and "nothing to split" in refused["cfg2 x ulysses2"]
+    assert "does not divide" in refused["ulysses4"]  # the tiny Wan has 2 heads
+    two = shape_of(model, inputs(2))
+    runnable, refused = auto_layout.choose(model, plan, two, fake_probe(4), config, 4)
+    assert any(p.sizes["cfg"] == 2 for p in runnable) and "cfg2 x ring2" not in refused
+
+
+def test_the_choice_follows_the_links(wan):
+    """The layout whose collective is slow loses: all-to-all (Ulysses), send/recv (Ring),
+    all-reduce (TP)."""
+    model, inputs = wan
+    plan = find_plan(model)
+    config = build_config(devices="cpu,cpu", layout="auto", host=CPU)
+    shape = shape_of(model, inputs(1))
+
+    def best(**links):
+        runnable, _ = auto_layout.choose(model, plan, shape, fake_probe(2, **links), config, 2)
+        return auto_layout.describe_sizes(runnable[0].sizes)
+
+    assert best(all_to_all=1e6, all_reduce=1e6) == "ring2"
+    assert best(send_recv=1e6, all_reduce=1e6) == "ulysses2"
+    assert best(all_to_all=1e6, send_recv=1e6) == "tp2"
+
+
+def test_a_layout_that_does_not_fit_is_refused(wan):
+    model, inputs = wan
+    plan = find_plan(model)
+    config = build_config(devices="cpu,cpu", layout="auto", host=CPU)
+    shape = shape_of(model, inputs(1))
+    weights = shape.weight_bytes_split + shape.weight_bytes_whole
+    runnable, refused = auto_layout.choose(model, plan, shape, fake_probe(2, free=int(weights * 0.95)), config, 2)
+    assert [auto_layout.describe_sizes(p.sizes) for p in runnable] == ["tp2"]
+    assert "GiB free" in refused["ulysses2"] and "GiB free" in refused["ring2"]
+
+
+def test_layout_input_is_checked():
+    with pytest.raises(ConfigError, match=r"layout='fast' is not valid; choose one of manual, auto"):
+        build_config(ulysses_size=2, layout="fast", host=CPU)
+    with pytest.raises(ConfigError, match=r"Parallel Config: layout='auto' .*list one device per rank"):
+        build_config(devices="cpu", layout="auto", host=CPU)
+    config = build_config(devices="cpu,cpu", layout="auto", host=CPU)
+    assert config.world_size == 2 and config.auto_layout and "layout auto over 2 ranks" in config.describe()
+    assert build_config(ulysses_size=2, layout="auto", host=CPU).world_size == 2
+
+
+@pytest.mark.multirank
+def test_auto_worlds_run_each_model_in_its_layout_and_equal_one_process(runtime, wan):
+    model, inputs = wan
+    plan = find_plan(model)
+    world = runtime.world_for(build_config(devices="cpu,cpu", layout="auto", host=CPU))
+    probe = world.status()["probe"]
+    assert len(probe["ranks"]) == 2 and probe["seconds"] < 5
+    assert all(link["bytes_per_s"] > 0 for link in probe["links"].values())
+    # The same model object is chosen for once; a second model (batch 2 = cond + uncond) may differ.
+    other = build_wan_model(TinyWan(), text_dim=64)
+    other.load_state_dict(model.state_dict())
+    for module, batch in ((model, 1), (other, 2), (model, 1)):
+        args = inputs(batch)
+        with torch.inference_mode():
+            ref = module._forward(*args, transformer_options={})
+            out = world.forward(module, plan, module._forward, args, {"transformer_options": {}})
+        err = (out - ref).abs().max().item()
+        assert err <= TOL, (batch, err)
+    layouts = world.status()["layouts"]
+    assert len(layouts) == 2
+    first, second = layouts
+    assert first["batch"] == 1 and first["layout"]["cfg"] == 1
+    assert second["batch"] == 2
+    for choice in layouts:
+        steps = [a["step_ms"] for a in choice["alternatives"]]
+        assert steps == sorted(steps) and choice["predicted_step_ms"] == steps[0] > 0
+        assert "cfg2" in choice["refused"] or choice["batch"] == 2
+
+
+@pytest.mark.multirank
+def test_a_manual_cfg_dimension_with_nothing_to_split_is_said_in_the_status(runtime, wan):
+    model, inputs = wan
+    world = runtime.world_for(build_config(cfg_size=2, devices="cpu,cpu", host=CPU))
+    args = inputs(1)
+    with torch.inference_mode():
+        ref = model._forward(*args, transformer_options={})
+        out = world.forward(model, find_plan(model), model._forward, args, {"transformer_options": {}})
+    assert (out - ref).abs().max().item() <= TOL
+    notes = world.status()["notes"]
+    assert len(notes) == 1 and "cfg_size 2 has nothing to split" in notes[0] and "batch of 1" in notes[0]
