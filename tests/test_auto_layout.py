@@ -162,3 +162,23 @@ def test_a_manual_cfg_dimension_with_nothing_to_split_is_said_in_the_status(runt
     assert (out - ref).abs().max().item() <= TOL
     notes = world.status()["notes"]
     assert len(notes) == 1 and "cfg_size 2 has nothing to split" in notes[0] and "batch of 1" in notes[0]
+
+
+def test_the_cost_model_reproduces_published_results_on_paper():
+    """bench/paper_check.py: published peer results predicted from published hardware figures
+    (one efficiency fitted per source on its one-GPU time); the README's table."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import paper_check
+
+    rows = paper_check.rows()
+    close = [r for r in rows if abs(r["error"]) <= 0.2]
+    assert len(close) >= 5
+    covered = {(r["source"].split(" (")[0], r["gpus"]) for r in close}
+    assert {("cache-dit Flux L20", 2), ("cache-dit Flux L20", 4), ("xDiT HunyuanVideo H20", 8)} <= covered
+    assert any(r["source"].startswith("raylight") for r in close)  # two consumer-class GPUs over PCIe
+    best = paper_check.consumer_pcie()[0]
+    assert best["speedup"] > 1
