@@ -63,6 +63,12 @@ class Watchdog:
         finally:
             self._armed = None
 
+    @property
+    def section(self) -> str | None:
+        """What the guarded section now running is ("forward", "weight send", ...), if any."""
+        armed = self._armed
+        return armed[0] if armed else None
+
     def _is_busy(self) -> bool:
         try:
             return bool(self._busy and self._busy())

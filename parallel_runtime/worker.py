@@ -283,6 +283,8 @@ class _Server:
         from parallel_runtime import protocol
 
         self.status_table[self.rank][protocol.COMPILE_FIELDS] = torch.tensor(watch.row(), dtype=torch.float64)
+        if self.remote:  # no shared table across hosts: rank 0's watchdog reads it from a "stats" message
+            self._send_stats()
 
     def on_ping(self) -> None:
         self.conn.send(("pong", self.rank))

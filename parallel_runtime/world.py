@@ -627,6 +627,13 @@ class World:
         """A rank is compiling (the first compiled step can outlast the collective timeout)."""
         if compile_regions.watch().compiling:
             return True
+        # On another host a worker's last "stats" message says. Read only inside a forward, when
+        # rank 0 expects no answer from the workers (elsewhere this read could take one).
+        for w in (self.workers if self.watchdog.section == "forward" else ()):
+            if w.host is not None:
+                w.drain()
+                if w.stats is not None and w.stats[protocol.COMPILE_FIELDS.start] > 0:
+                    return True
         table = self._status_table
         return table is not None and bool((table[1:, protocol.COMPILE_FIELDS.start] > 0).any())
 

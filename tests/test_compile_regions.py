@@ -142,3 +142,38 @@ def test_the_watchdog_waits_while_a_rank_compiles():
         assert "did not complete" in dog.fired
     finally:
         dog.close()
+
+
+def test_a_worker_on_another_host_compiling_keeps_the_watchdog_waiting():
+    """A remote worker has no shared status table: its compile listener sends a "stats" row, which
+    rank 0 reads inside a forward only (elsewhere it would take a message rank 0 waits for)."""
+    from parallel_runtime import protocol
+    from parallel_runtime.config import HostDevices, build_config
+    from parallel_runtime.world import World
+
+    class Remote:
+        host, rank = "gpu-b", 1
+
+        def __init__(self):
+            self.stats, self.reads = None, 0
+            self.pending = [0.0] * len(protocol.STATUS_FIELDS)
+            self.pending[protocol.COMPILE_FIELDS.start] = 1.0  # compiling
+
+        def drain(self):
+            self.reads += 1
+            self.stats = self.pending
+            return [("stats", self.pending)]
+
+    world = World(build_config(ulysses_size=2, host=HostDevices("cpu", cpu_count=2)), comfyui_path=".")
+    try:
+        remote = Remote()
+        world.workers = [remote]
+        with world.watchdog.guard("weight send", 60):
+            assert not world._compiling() and remote.reads == 0
+        with world.watchdog.guard("forward", 60):
+            assert world._compiling() and remote.reads >= 1
+        remote.pending = [0.0] * len(protocol.STATUS_FIELDS)
+        with world.watchdog.guard("forward", 60):
+            assert not world._compiling()
+    finally:
+        world.watchdog.close()
