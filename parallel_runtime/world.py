@@ -182,6 +182,7 @@ class World:
         self.last_dispatch: dict[str, float] = {}
         self.workers: list[_Worker] = []
         self.mesh: ProcessMesh | None = None  # the config's layout
+        self.current_layout = self.layout     # the layout of the last forward (layout: auto chooses per model)
         # Every layout this world has formed groups for (layout: auto runs each model in its own).
         self.meshes: dict[tuple[int, ...], ProcessMesh] = {}
         self.state = "starting"
@@ -473,13 +474,13 @@ class World:
         method_name = _method_name(method)
         bound = inspect.signature(_method_of(module, method_name)).bind(*args, **kwargs)
         check_supported_arguments(plan, bound)
-        if layout is None and self.config.auto_layout and plan.kind == "transformer":
-            layout = self.auto.layout_for(module, plan, _method_of(module, method_name), bound.args, bound.kwargs)
-        layout = layout or self.layout
-        if layout.world_size != self.world_size:
+        choose = layout is None and self.config.auto_layout and plan.kind == "transformer"
+        if layout is not None and layout.world_size != self.world_size:
             raise ValueError(f"layout {layout.sizes} has {layout.world_size} ranks; this world has {self.world_size}")
-        if plan.kind == "transformer":
-            self._note_idle_cfg(layout, bound)
+        layout = layout or self.layout
+        if choose:  # the model runs alone on rank 0 up to its blocks: on its own copy of the options
+            trial = inspect.signature(_method_of(module, method_name)).bind(*bound.args, **bound.kwargs)
+            arguments.set_options(trial, dict(arguments.get_options(bound) or {}))
         worker_bound = inspect.signature(_method_of(module, method_name)).bind(*bound.args, **bound.kwargs)
         if plan.kind == "transformer":  # text encoders take no transformer_options
             options = arguments.get_options(bound)
@@ -490,6 +491,11 @@ class World:
         t_prepared = time.perf_counter()
         # Nothing has reached a worker yet: errors above leave the world usable.
         try:
+            if choose:  # inside: the ranks time the candidates, a failure there ends the world like any other
+                layout = self.auto.layout_for(module, plan, _method_of(module, method_name), trial.args, trial.kwargs)
+            if plan.kind == "transformer":
+                self._note_idle_cfg(layout, bound)
+            self.current_layout = layout
             sends = self.copies.sends
             with self.watchdog.guard("process groups", STARTUP_TIMEOUT_S):
                 mesh = self.mesh_for(layout)
@@ -670,9 +676,12 @@ class World:
                           **mem, "gpu_allocated_bytes": None if gpu[0] is None else int(gpu[0]),
                           "gpu_reserved_bytes": None if gpu[1] is None else int(gpu[1]),
                           "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
-                          "coords": self.layout.coords(rank), "host": self.config.host_of(rank) or "local",
+                          "coords": self.current_layout.coords(rank), "host": self.config.host_of(rank) or "local",
                           "compiling": bool(compiling), "compiles": int(compiles), "recompiles": int(recompiles)})
-        return {"world_size": self.world_size, "mesh": self.config.mesh_sizes, "backend": self.config.backend,
+        from .config import MESH_DIMS
+
+        mesh = dict(zip(MESH_DIMS, self.current_layout.sizes)) if self.config.auto_layout else self.config.mesh_sizes
+        return {"world_size": self.world_size, "mesh": mesh, "backend": self.config.backend,
                 "transport": self.copies.transport, "last_weight_send": self.copies.last_send or None,
                 "first_forward": self.first_forward, "probe": self.probe, "layout": self.config.layout,
                 "layouts": self.auto.status(), "notes": list(self.notes),
