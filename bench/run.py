@@ -279,7 +279,7 @@ def run_compiled_scenario(scenario, device: str, threads: int, repeat: int | Non
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full", "vae", "memory", "gguf", "compile", "auto", "none"],
+    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full", "vae", "memory", "gguf", "compile", "auto", "weighted", "none"],
                         help="scenarios to run; 'none' with --peers runs only the peer comparison")
     parser.add_argument("--scenario", nargs="*", help="run these scenarios instead of a suite")
     parser.add_argument("--out", required=True, help="JSON-lines file for the records (appended)")
@@ -319,6 +319,15 @@ def main() -> int:
                 print(f"[bench]   auto picked {record['auto_pick']} ({record['auto_over_best']:.3f} x the best, "
                       f"{record['best_manual']}): " + ", ".join(f"{k} predicted {v['predicted_ms']:.0f} / measured "
                       f"{v['measured_ms']:.0f} ms" for k, v in record["layouts"].items()), file=sys.stderr, flush=True)
+                continue
+            if scenario.extra.get("weighted"):
+                from weighted_bench import run_weighted_scenario
+
+                record = run_weighted_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+                write(record, round_)
+                print(f"[bench]   rank 1 {record['slow_factor']}x slower: even {record['even_ms_median']:.0f} ms, weighted "
+                      f"{record['weighted_ms_median']:.0f} ms ({record['weighted_gain'] * 100:+.0f} %), err "
+                      f"{record['max_abs_err']:.1e}", file=sys.stderr, flush=True)
                 continue
             run = run_compiled_scenario if scenario.extra.get("compile") else run_scenario
             record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat)

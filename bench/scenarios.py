@@ -229,6 +229,17 @@ SCENARIOS += [
 ]
 
 
+# A weighted token split against the even one with rank 1 made twice as slow (bench/weighted_bench.py).
+SCENARIOS += [
+    Scenario(f"{name}_weighted", fam, "weighted", mesh, build, tokens, suites=("weighted",), repeat=3,
+             extra={"weighted": True}, notes="PARALLEL_TEST_SLOW_RANK=1:2")
+    for name, fam, mesh, build, tokens in (
+        ("flux_ulysses2", "flux", {"ulysses": 2}, flux(FLUX), FLUX.tokens),
+        ("flux_ring2", "flux", {"ring": 2}, flux(FLUX), FLUX.tokens),
+        ("wan_ulysses2", "wan", {"ulysses": 2}, wan(WAN), WAN.tokens))
+]
+
+
 def select(suite: str, names: list[str] | None = None) -> list[Scenario]:
     if names:
         known = {s.name: s for s in SCENARIOS}

@@ -45,16 +45,20 @@ class ParallelConfigNode(io.ComfyNode):
                                        "every GPU) only give the number of ranks, and each model runs in the "
                                        "layout a measured cost model predicts fastest for its size, chosen at its "
                                        "first step (shown in the Parallel tab and the log)."),
+                io.String.Input("weights", default="", optional=True,
+                                tooltip="Ranks of different speed: one relative speed per rank, e.g. '1,0.5' for a "
+                                        "second GPU half as fast. Context parallelism then gives each rank a share "
+                                        "of the tokens in proportion (still exact). Empty: an even split."),
             ],
             outputs=[ParallelConfigType.Output(display_name="parallel_config")],
         )
 
     @classmethod
     def validate_inputs(cls, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto",
-                        hosts="", rendezvous="", layout="manual"):
+                        hosts="", rendezvous="", layout="manual", weights=""):
         values = dict(ulysses_size=ulysses_size, ring_size=ring_size, tp_size=tp_size, cfg_size=cfg_size,
                       devices=devices, backend=backend, hosts=hosts or "", rendezvous=rendezvous or "",
-                      layout=layout or "manual")
+                      layout=layout or "manual", weights=weights or "")
         if any(v is None for v in values.values()):
             return True  # linked from another node: checked when the node runs
         try:
@@ -65,8 +69,8 @@ class ParallelConfigNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, ulysses_size, ring_size, tp_size, cfg_size, devices, backend, hosts="",
-                rendezvous="", layout="manual") -> io.NodeOutput:
+                rendezvous="", layout="manual", weights="") -> io.NodeOutput:
         config = build_config(ulysses_size=ulysses_size, ring_size=ring_size, tp_size=tp_size, cfg_size=cfg_size,
                               devices=devices, backend=backend, hosts=hosts or "", rendezvous=rendezvous or "",
-                              host=host_devices(), layout=layout or "manual")
+                              host=host_devices(), layout=layout or "manual", weights=weights or "")
         return io.NodeOutput(config)

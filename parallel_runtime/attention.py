@@ -35,6 +35,27 @@ class JointLayout:
 
     chunk: int                          # length of every rank's joint chunk (padded)
     valid: tuple[torch.Tensor | None, ...]  # per sp rank: positions of real tokens, None = all real
+    # Weighted split: (tokens this rank holds, padded chunk) per stream of the joint chunk; the
+    # local joint tensor is padded to ``chunk`` for the exchange and cut back after it.
+    local: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def local_length(self) -> int:
+        return self.chunk if self.local is None else sum(n for n, _ in self.local)
+
+    def pad_local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.local is None:
+            return t
+        from .sequence import pad_along
+
+        parts = torch.split(t, [n for n, _ in self.local], dim=dim)
+        return torch.cat([pad_along(p, dim, chunk) for p, (_, chunk) in zip(parts, self.local)], dim=dim)
+
+    def strip_local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.local is None:
+            return t
+        parts = torch.split(t, [chunk for _, chunk in self.local], dim=dim)
+        return torch.cat([p.narrow(dim, 0, n) for p, (n, _) in zip(parts, self.local)], dim=dim)
 
     def gathered(self, ranks: range) -> torch.Tensor | None:
         """Real-token positions in the concatenation of the chunks of ``ranks``; None if all real."""
@@ -190,10 +211,10 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
     U, R = sp.ulysses_size, sp.ring_size
     if heads % U:
         raise RuntimeError(f"Ulysses: {heads} attention heads do not divide by the Ulysses size {U}")
-    if q.shape[-2 if head_layout else 1] != layout.chunk:
+    if q.shape[-2 if head_layout else 1] != layout.local_length:
         raise RuntimeError(f"context parallel: attention got {q.shape} but this rank's joint chunk has "
-                           f"{layout.chunk} tokens; the model plan does not describe this attention site")
-    qkv = torch.stack([to_bhsd(t, heads, head_layout) for t in (q, k, v)])  # [3, B, H, S, D]
+                           f"{layout.local_length} tokens; the model plan does not describe this attention site")
+    qkv = torch.stack([layout.pad_local(to_bhsd(t, heads, head_layout), 2) for t in (q, k, v)])  # [3, B, H, S, D]
     if U > 1:
         qkv = scatter_heads(qkv, U, sp.ulysses_group)
     local_heads = heads // U
@@ -213,8 +234,16 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
             out = full
     else:
         q2, k2, v2 = qkv.unbind(0)
+        mine = layout.gathered(block_ranks(sp.ring_rank)) if layout.local is not None else None
+        if mine is not None:  # weighted split: only this rank's real queries (its share of the work)
+            mine = mine.to(q2.device)
+            q2 = q2.index_select(2, mine)
         out = ring_attention(q2, k2, v2, group=sp.ring_group, ring_size=R, ring_rank=sp.ring_rank,
                              key_index=lambda j: layout.gathered(block_ranks(j)))
+        if mine is not None:
+            full = out.new_zeros(out.shape[0], out.shape[1], k2.shape[2], out.shape[3])
+            full.index_copy_(2, mine, out)
+            out = full
     if U > 1:
         out = gather_heads(out.contiguous(), U, sp.ulysses_group)
-    return from_bhsd(out, bool(kwargs.get("skip_output_reshape", False)))
+    return from_bhsd(layout.strip_local(out, 2), bool(kwargs.get("skip_output_reshape", False)))

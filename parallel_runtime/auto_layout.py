@@ -174,10 +174,11 @@ def matmul_rate(shape: cost_model.ModelShape, world_size: int, device: torch.dev
     """Matmul flops per second at the size of a block's MLP on one rank's tokens."""
     from .probe import _median_s
 
-    rows = max(1, shape.batch * shape.tokens // world_size)
+    # At least 1024 rows: a smaller product takes a millisecond, too short to time on a busy machine.
+    rows = max(1024, shape.batch * shape.tokens // world_size)
     a = torch.randn(rows, shape.hidden, device=device, dtype=dtype)
     b = torch.randn(shape.hidden, 4 * shape.hidden, device=device, dtype=dtype)
-    return 2.0 * rows * shape.hidden * 4 * shape.hidden / _median_s(lambda: torch.mm(a, b), device)
+    return 2.0 * rows * shape.hidden * 4 * shape.hidden / _median_s(lambda: torch.mm(a, b), device, repeats=5)
 
 
 def refusal(module, plan: ModelPlan, sizes: dict[str, int], shape: cost_model.ModelShape, config) -> str | None:
@@ -203,6 +204,10 @@ def refusal(module, plan: ModelPlan, sizes: dict[str, int], shape: cost_model.Mo
     return None
 
 
+# Ranks whose measured matmul speeds differ by more than this get a weighted token split.
+UNEVEN_SPEEDS = 1.1
+
+
 @dataclass
 class Choice:
     model: str
@@ -211,11 +216,13 @@ class Choice:
     predictions: list[cost_model.Prediction]   # every runnable layout, fastest first
     refused: dict[str, str]                    # layout -> why not
     seconds: float
+    weights: tuple[float, ...] = ()            # per rank relative speed (a weighted split), () = even
 
     def as_dict(self) -> dict:
         return {"model": self.model, "layout": self.chosen.sizes, "predicted_step_ms": round(self.chosen.step_s * 1e3, 3),
                 "alternatives": [p.as_dict() for p in self.predictions], "refused": self.refused,
-                "tokens": self.shape.tokens, "batch": self.shape.batch, "chosen_in_s": round(self.seconds, 3)}
+                "tokens": self.shape.tokens, "batch": self.shape.batch, "chosen_in_s": round(self.seconds, 3),
+                "weights": list(self.weights)}
 
 
 def describe_sizes(sizes: dict[str, int]) -> str:
@@ -273,18 +280,28 @@ class AutoLayouts:
         timings = world.calibrate(run, candidates)
         # Ranks run in lockstep: the slowest rank's time is the step's.
         sites = {key: max(t["sites"][key] for t in timings) for key in timings[0]["sites"]}
-        rate = min(t["matmul_flops_per_s"] for t in timings)
+        speeds = [t["matmul_flops_per_s"] for t in timings]
+        weights = () if max(speeds) <= UNEVEN_SPEEDS * min(speeds) else tuple(v / max(speeds) for v in speeds)
+        # With a weighted split the token work goes at the ranks' summed speed, not n x the slowest.
+        rate = sum(speeds) / len(speeds) if weights else min(speeds)
         runnable, refused = choose(module, plan, shape, world.probe, world.config, world.world_size, sites, rate)
         if not runnable:
             raise RuntimeError(f"layout auto: no layout of {world.world_size} ranks can run this {plan.title} "
                                "model: " + "; ".join(f"{k}: {v}" for k, v in refused.items()))
         choice = Choice(f"{type(module).__name__}", shape, runnable[0], runnable, refused,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, weights)
+        if weights:
+            log.info("layout auto: the ranks' speeds differ (%s): tokens split in proportion",
+                     ", ".join(f"{w:.2f}" for w in weights))
         alternatives = ", ".join(f"{describe_sizes(p.sizes)} {p.step_s * 1e3:.0f} ms" for p in runnable[1:4])
         log.info("layout auto: %s with %d tokens, batch %d runs as %s (predicted %.0f ms a step; then %s)",
                  plan.title, shape.tokens, shape.batch, describe_sizes(choice.chosen.sizes),
                  choice.chosen.step_s * 1e3, alternatives or "no other layout")
         return choice
+
+    def weights_for(self, module) -> tuple[float, ...]:
+        found = self._chosen.get(module)
+        return found.weights if found is not None else ()
 
     def status(self) -> list[dict]:
         return [c.as_dict() for c in list(self._chosen.values())]

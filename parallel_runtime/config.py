@@ -43,6 +43,7 @@ class ParallelConfig:
     hosts: tuple[tuple[str, int], ...] = ()
     rendezvous: str = ""                  # "address:port" rank 0 listens on for the other hosts
     layout: str = "manual"                # "auto": the sizes above are only the starting layout
+    weights: tuple[float, ...] = ()      # relative speed per rank: token shares of a weighted split
 
     @property
     def auto_layout(self) -> bool:
@@ -282,9 +283,25 @@ def auto_world_size(sizes: dict[str, int], parsed_devices, host: HostDevices, no
                 "chosen for you", node)
 
 
+def parse_weights(spec: str, world_size: int, node: str = NODE) -> tuple[float, ...]:
+    """``weights``: empty (even split) or one positive number per rank, e.g. '1,0.5'."""
+    text = (spec or "").strip()
+    if not text:
+        return ()
+    valid = (f"give one positive number per rank ({world_size} here), each rank's relative speed, e.g. "
+             f"'{','.join(['1'] * (world_size - 1) + ['0.5'])}', or leave it empty for an even split")
+    try:
+        values = tuple(float(item) for item in text.split(","))
+    except ValueError:
+        raise _fail("weights", spec, valid, node) from None
+    if len(values) != world_size or any(not v > 0 for v in values):
+        raise _fail("weights", spec, valid, node)
+    return values
+
+
 def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="auto", backend="auto",
                  host: HostDevices, node: str = NODE, hosts: str = "", rendezvous: str = "",
-                 layout: str = "manual") -> ParallelConfig:
+                 layout: str = "manual", weights: str = "") -> ParallelConfig:
     sizes = {"cfg": cfg_size, "ring": ring_size, "ulysses": ulysses_size, "tp": tp_size}
     validate_sizes(sizes, node)
     layout = (layout or "manual").strip().lower()
@@ -311,4 +328,5 @@ def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices=
     shared = device_type == "cuda" and len(set(local)) < len(local)
     return ParallelConfig(cfg_size=cfg_size, ring_size=ring_size, ulysses_size=ulysses_size, tp_size=tp_size,
                           devices=resolved, backend=resolve_backend(backend, device_type, node, host.nccl, shared),
-                          devices_spec=str(devices), hosts=host_list, rendezvous=address, layout=layout)
+                          devices_spec=str(devices), hosts=host_list, rendezvous=address, layout=layout,
+                          weights=parse_weights(weights, world_size, node))

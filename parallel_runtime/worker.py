@@ -223,7 +223,12 @@ class _Server:
     def on_calibrate(self, run: dict, layouts: list) -> None:
         from parallel_runtime.auto_layout import calibrate
 
-        self.conn.send(("calibrate", calibrate(run, layouts, self.device)))
+        timings = calibrate(run, layouts, self.device)
+        factor = slow_factor(self.rank)
+        if factor != 1.0:  # the test knob's slower rank measures slower too
+            timings = {"sites": {k: v * factor for k, v in timings["sites"].items()},
+                       "matmul_flops_per_s": timings["matmul_flops_per_s"] / factor}
+        self.conn.send(("calibrate", timings))
 
     def on_mesh(self, sizes: list) -> None:
         """Form the process groups of another layout (rank 0 does the same, in the same order)."""
@@ -233,7 +238,7 @@ class _Server:
         self.meshes[layout.sizes] = ProcessMesh(layout, self.rank)
 
     def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None,
-                   layout=None) -> None:
+                   layout=None, weights=()) -> None:
         import torch
 
         from parallel_runtime import compile_regions, protocol
@@ -250,8 +255,9 @@ class _Server:
             compile_regions.watch().listener = self._publish_compile
         mesh = self.meshes[tuple(layout)] if layout is not None else self.mesh
         with torch.inference_mode(), compile_regions.watched(compile, (key, repr(mesh.layout.sizes)), meta):
-            run_sharded(module, plan, mesh, method, method, args, kwargs,
-                        distributed_attention=distributed_attention, compile=compile)
+            with _slowed(module, plan, self.rank):
+                run_sharded(module, plan, mesh, method, method, args, kwargs,
+                            distributed_attention=distributed_attention, compile=compile, weights=weights)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels
         row = self.status_table[self.rank]
@@ -303,6 +309,53 @@ class _Server:
             import psutil
 
             self.conn.send(("stats", self.status_table[self.rank].tolist() + [psutil.Process().memory_info().rss]))
+
+
+SLOW_RANK_ENV = "PARALLEL_TEST_SLOW_RANK"
+
+
+def slow_factor(rank: int) -> float:
+    which, _, factor = os.environ.get(SLOW_RANK_ENV, "").partition(":")
+    return float(factor or 2) if which.isdigit() and int(which) == rank else 1.0
+
+
+def _slowed(module, plan, rank: int):
+    """Test-only: PARALLEL_TEST_SLOW_RANK="<rank>:<factor>" makes that rank as many times slower
+    (after each of the plan's blocks it waits factor - 1 times the CPU time the block took, and its
+    layout-auto timings are that much slower), to check weighted splits against a slow GPU on a
+    machine of equal ranks. Workers only (rank 1 and up)."""
+    import contextlib
+
+    factor = slow_factor(rank)
+    if factor == 1.0 or plan.kind != "transformer":
+        return contextlib.nullcontext()
+    from parallel_runtime import scoped_hooks
+    from parallel_runtime.compile_regions import region_patterns
+    from parallel_runtime.plans.base import matching_modules
+
+    extra = factor - 1
+    started: dict[int, float] = {}
+
+    # This thread's CPU time, not the wall time: waiting for the other ranks inside a block
+    # (the attention's exchange) must not count as work to slow down.
+    def before(mod, args):
+        started[id(mod)] = time.thread_time()
+
+    def after(mod, args, out):
+        time.sleep(max(0.0, extra * (time.thread_time() - started.pop(id(mod), time.thread_time()))))
+
+    @contextlib.contextmanager
+    def hooked():
+        handles = []
+        try:
+            for pattern in region_patterns(plan):
+                for _, mod in matching_modules(module, pattern):
+                    handles += [scoped_hooks.pre_hook(mod, before), scoped_hooks.post_hook(mod, after)]
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+    return hooked()
 
 
 if __name__ == "__main__":

@@ -457,7 +457,8 @@ class World:
 
     # ---------------------------------------------------------------- forward
     def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
-                distributed_attention: bool = True, compile=None, layout: MeshLayout | None = None):
+                distributed_attention: bool = True, compile=None, layout: MeshLayout | None = None,
+                weights: tuple[float, ...] | None = None):
         """Run ``method(*args, **kwargs)`` of ``module`` on every rank, context-parallel.
 
         ``method`` is rank 0's bound callable (it may be a wrapper chain ending in a
@@ -466,6 +467,8 @@ class World:
         ComfyUI and when they changed; without it the module's tensors are sent as they are,
         once. ``compile`` (compile_regions.CompileSettings): every rank runs the plan's blocks compiled.
         ``layout``: the ranks' layout for this model (same world size; default: the config's).
+        ``weights``: relative speed per rank for the token split (default: the config's, or what
+        layout auto measured; () for an even split).
         """
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
@@ -496,6 +499,8 @@ class World:
             if plan.kind == "transformer":
                 self._note_idle_cfg(layout, bound)
             self.current_layout = layout
+            if weights is None:
+                weights = self.config.weights or (self.auto.weights_for(module) if self.config.auto_layout else ())
             sends = self.copies.sends
             with self.watchdog.guard("process groups", STARTUP_TIMEOUT_S):
                 mesh = self.mesh_for(layout)
@@ -505,7 +510,7 @@ class World:
             with self._threads(), self.watchdog.guard("forward", COLLECTIVE_TIMEOUT_S):
                 for w in self.workers:
                     w.conn.send(("forward", key, method_name, spec, meta, distributed_attention, compile,
-                                 list(layout.sizes)))
+                                 list(layout.sizes), weights))
                 t_sent = time.perf_counter()
                 protocol.broadcast_tensors(tensors, meta, self.device)
                 t_broadcast = time.perf_counter()
@@ -519,7 +524,7 @@ class World:
                 with compile_regions.watched(compile, (key, repr(layout.sizes)), meta):
                     out = run_sharded(run_module, plan, mesh, call, _method_of(run_module, method_name),
                                       bound.args, bound.kwargs, distributed_attention=distributed_attention,
-                                      compile=compile)
+                                      compile=compile, weights=weights)
                 synchronize(self.device)  # a step's time, not the time to queue its kernels
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1

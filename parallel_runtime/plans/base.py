@@ -33,7 +33,7 @@ import torch
 from .. import arguments, scoped_hooks
 from ..tensor_parallel import TensorParallelPlan
 from ..attention import JointLayout, SequenceParallel, context_parallel_attention
-from ..sequence import SeqShard, gather_chunks, take_chunk
+from ..sequence import SeqShard, gather_chunks, take_chunk, weighted_sizes
 
 OVERRIDE_KEY = "optimized_attention_override"
 MAIN_STREAM = "x"
@@ -162,8 +162,10 @@ class ModelPlan:
 class ForwardContext:
     """State of one context-parallel forward on one rank."""
 
-    def __init__(self, sp: SequenceParallel, sp_group, distributed_attention: bool = True):
+    def __init__(self, sp: SequenceParallel, sp_group, distributed_attention: bool = True,
+                 weights: tuple[float, ...] | None = None):
         self.sp = sp
+        self.weights = weights  # per sequence-parallel rank: token shares of a weighted split
         self.sp_group = sp_group
         self.parts = sp.ulysses_size * sp.ring_size
         self.index = sp.sp_rank
@@ -180,7 +182,8 @@ class ForwardContext:
         if known is not None and known.total != total:
             raise RuntimeError(f"context parallel: stream '{name}' entered again with {total} tokens (first "
                                f"{known.total}); the model plan does not cover this input")
-        shard = SeqShard(total, self.parts, self.index)
+        sizes = weighted_sizes(total, self.weights) if self.weights else None
+        shard = SeqShard(total, self.parts, self.index, sizes)
         self.streams[name] = shard
         waiting = [(c, spec) for c, spec in self._pending if spec.stream == name]
         self._pending = [(c, spec) for c, spec in self._pending if spec.stream != name]
@@ -243,7 +246,7 @@ class ForwardContext:
         group = self.sp_group
         if spec.segments:
             shards = [self._stream(s, "gather") for s in spec.segments]
-            locals_ = torch.split(t, [s.chunk for s in shards], dim=spec.dim)
+            locals_ = torch.split(t, [s.local for s in shards], dim=spec.dim)
             return torch.cat([part if name in spec.keep_local else gather_chunks(part, spec.dim, s, group)
                               for part, s, name in zip(locals_, shards, spec.segments)], dim=spec.dim)
         shard = self.streams.get(spec.stream)
@@ -259,15 +262,17 @@ class ForwardContext:
             chunk = sum(s.chunk for s in shards)
             valid = []
             for r in range(self.parts):
-                if all(SeqShard(s.total, s.parts, r).valid == s.chunk for s in shards):
+                if all(s.for_rank(r).valid == s.chunk for s in shards):
                     valid.append(None)
                     continue
                 idx, offset = [], 0
                 for s in shards:
-                    idx.append(torch.arange(SeqShard(s.total, s.parts, r).valid) + offset)
+                    idx.append(torch.arange(s.for_rank(r).valid) + offset)
                     offset += s.chunk
                 valid.append(torch.cat(idx))
-            layout = JointLayout(chunk, tuple(valid))
+            weighted = any(s.sizes is not None for s in shards)
+            local = tuple((s.local, s.chunk) for s in shards) if weighted else None
+            layout = JointLayout(chunk, tuple(valid), local)
             self._layouts[streams] = layout
         return layout
 
@@ -486,13 +491,15 @@ def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
 
 @contextlib.contextmanager
 def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
-                     sp: SequenceParallel, sp_group, distributed_attention: bool = True):
+                     sp: SequenceParallel, sp_group, distributed_attention: bool = True,
+                     weights: tuple[float, ...] | None = None):
     """Apply ``plan`` to one forward of ``root``: split, context-parallel attention, gather.
 
     ``distributed_attention=False`` is a diagnostic: attention then sees only the local
     tokens, which is what a silently broken implementation computes; tests use it to
-    prove that the real path communicates."""
-    ctx = ForwardContext(sp, sp_group, distributed_attention)
+    prove that the real path communicates. ``weights``: token shares per sequence-parallel
+    rank (a weighted split, ``sequence``), None for the even split."""
+    ctx = ForwardContext(sp, sp_group, distributed_attention, weights)
     if ctx.parts == 1:
         yield ctx
         return
