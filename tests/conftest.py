@@ -153,3 +153,24 @@ def single_process_references(cases: dict):
             cache[name] = (model, args, kwargs, ref)
         return cache[name]
     return get
+
+
+def check_every_family(world, built, cases, tol: float) -> int:
+    """Every family case (tests/families.py) through ``world`` equals its single-process output
+    (cases whose inputs the plan refuses are left out); returns how many were checked."""
+    import torch
+
+    from parallel_runtime.plans import find_plan
+    from test_context_parallel import refused_input
+
+    checked = 0
+    for case in cases:
+        model, args, kwargs, ref = built(case)
+        if refused_input(model, kwargs):
+            continue
+        with torch.inference_mode():
+            out = world.forward(model, find_plan(model), model._forward, args, {**kwargs, "transformer_options": {}})
+        err = (out - ref).abs().max().item()
+        assert out.shape == ref.shape and err <= tol, (case, err)
+        checked += 1
+    return checked

@@ -188,22 +188,12 @@ def test_the_cost_model_reproduces_published_results_on_paper():
 def test_every_family_under_layout_auto_equals_one_process(runtime):
     """The families' exactness cases (tests/families.py) in one auto world of 2 ranks: every model
     runs in the layout chosen for it and equals the single-process run."""
-    from conftest import single_process_references
+    from conftest import check_every_family, single_process_references
     from families import CASES
-    from test_context_parallel import refused_input
 
-    built = single_process_references(CASES)
     world = runtime.world_for(build_config(devices="cpu,cpu", layout="auto", host=CPU))
-    checked = 0
-    for case in CASES:
-        model, args, kwargs, ref = built(case)
-        if refused_input(model, kwargs):
-            continue
-        with torch.inference_mode():
-            out = world.forward(model, find_plan(model), model._forward, args, {**kwargs, "transformer_options": {}})
-        err = (out - ref).abs().max().item()
-        assert err <= TOL, (case, err)
-        checked += 1
+    built = single_process_references(CASES)  # held: the choices are kept per model object, weakly
+    checked = check_every_family(world, built, CASES, TOL)
     chosen = world.status()["layouts"]
     assert checked >= 5 and len(chosen) == checked
     assert all(c["layout"]["cfg"] == 1 or c["batch"] % c["layout"]["cfg"] == 0 for c in chosen)

@@ -3,7 +3,7 @@ and the result still equals one process for every family and context-parallel la
 import pytest
 import torch
 
-from conftest import single_process_references
+from conftest import check_every_family, single_process_references
 from families import CASES
 from parallel_runtime.config import ConfigError, HostDevices, build_config
 from parallel_runtime.plans import find_plan
@@ -56,16 +56,7 @@ def test_weighted_splits_equal_one_process(runtime, built, sizes, weights):
         n *= v
     world = runtime.world_for(build_config(**sizes, weights=weights, devices=",".join(["cpu"] * n),
                                            host=HostDevices("cpu", cpu_count=n)))
-    from test_context_parallel import refused_input
-
-    for case in CASES:
-        model, args, kwargs, ref = built(case)
-        if refused_input(model, kwargs):
-            continue
-        with torch.inference_mode():
-            out = world.forward(model, find_plan(model), model._forward, args, {**kwargs, "transformer_options": {}})
-        err = (out - ref).abs().max().item()
-        assert out.shape == ref.shape and err <= TOL, (case, err)
+    assert check_every_family(world, built, CASES, TOL) >= 5
 
 
 @pytest.mark.multirank

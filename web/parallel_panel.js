@@ -35,7 +35,8 @@ function render(root, status) {
     : [];
   const chosen = (status.layouts || []).map((c) => el("div", { className: "hp-layout",
     textContent: `${c.model} (${c.tokens} tokens, batch ${c.batch}): ${dims(c.layout)}, predicted `
-      + `${fmtMs(c.predicted_step_ms)}` + c.alternatives.slice(1, 3).map((a) => `; ${dims(a.sizes)} ${fmtMs(a.step_ms)}`).join("") }));
+      + `${fmtMs(c.predicted_step_ms)}` + c.alternatives.slice(1, 3).map((a) => `; ${dims(a.sizes)} ${fmtMs(a.step_ms)}`).join("")
+      + (c.weights?.length ? `; tokens by measured speed ${c.weights.map((w) => w.toFixed(2)).join(" : ")}` : "") }));
   const notes = (status.notes || []).map((n) => el("div", { className: "hp-note", textContent: n }));
   const header = el("div", { className: "hp-header" }, [
     el("div", { textContent: `World size ${status.world_size} — ${mesh}` }),
