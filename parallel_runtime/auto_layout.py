@@ -20,7 +20,7 @@ import torch
 
 from . import cost_model, scoped_hooks, transport
 from .compile_regions import region_patterns
-from .config import MESH_DIMS
+from .config import MESH_DIMS, describe_sizes
 from .mesh import MeshLayout
 from .plans import ModelPlan
 from .plans.base import MAIN_STREAM, matching_modules, on_item, replace_arguments
@@ -148,9 +148,9 @@ def attention_site_seconds(shape: cost_model.ModelShape, layouts: list[dict[str,
     the kernel the layout runs (ComfyUI's attention function, or the Ring kernel per
     hop): attention throughput depends on the length too much for the probe's one size."""
     from .attention import attention_with_lse
-    from .probe import _median_s, _model_attention
+    from .probe import median_seconds, model_attention_function
 
-    model_attention = _model_attention()
+    model_attention = model_attention_function()
     head_dim = max(1, shape.hidden // shape.heads)
     out = {}
     for sizes in layouts:
@@ -162,23 +162,23 @@ def attention_site_seconds(shape: cost_model.ModelShape, layouts: list[dict[str,
         length = -(-shape.tokens // ring)
         q = torch.randn(1, heads, length, head_dim, device=device, dtype=dtype)
         if ring > 1:
-            step = _median_s(lambda: attention_with_lse(q, q, q, head_dim ** -0.5), device, repeats=1)
+            step = median_seconds(lambda: attention_with_lse(q, q, q, head_dim ** -0.5), device, repeats=1)
             out[key] = ring * step * shape.batch
         else:
             flat = q.transpose(1, 2).reshape(1, length, heads * head_dim)
-            out[key] = _median_s(lambda: model_attention(flat, flat, flat, heads), device, repeats=1) * shape.batch
+            out[key] = median_seconds(lambda: model_attention(flat, flat, flat, heads), device, repeats=1) * shape.batch
     return out
 
 
 def matmul_rate(shape: cost_model.ModelShape, world_size: int, device: torch.device, dtype: torch.dtype) -> float:
     """Matmul flops per second at the size of a block's MLP on one rank's tokens."""
-    from .probe import _median_s
+    from .probe import median_seconds
 
     # At least 1024 rows: a smaller product takes a millisecond, too short to time on a busy machine.
     rows = max(1024, shape.batch * shape.tokens // world_size)
     a = torch.randn(rows, shape.hidden, device=device, dtype=dtype)
     b = torch.randn(shape.hidden, 4 * shape.hidden, device=device, dtype=dtype)
-    return 2.0 * rows * shape.hidden * 4 * shape.hidden / _median_s(lambda: torch.mm(a, b), device, repeats=5)
+    return 2.0 * rows * shape.hidden * 4 * shape.hidden / median_seconds(lambda: torch.mm(a, b), device, repeats=5)
 
 
 def refusal(module, plan: ModelPlan, sizes: dict[str, int], shape: cost_model.ModelShape, config) -> str | None:
@@ -223,10 +223,6 @@ class Choice:
                 "alternatives": [p.as_dict() for p in self.predictions], "refused": self.refused,
                 "tokens": self.shape.tokens, "batch": self.shape.batch, "chosen_in_s": round(self.seconds, 3),
                 "weights": list(self.weights)}
-
-
-def describe_sizes(sizes: dict[str, int]) -> str:
-    return " x ".join(f"{d}{s}" for d, s in sizes.items() if s > 1) or "single rank"
 
 
 def choose(module, plan: ModelPlan, shape: cost_model.ModelShape, probe: dict, config, world_size: int,

@@ -75,12 +75,17 @@ class ParallelConfig:
         return self.devices[0].split(":", 1)[0]
 
     def describe(self) -> str:
-        dims = " x ".join(f"{d}{s}" for d, s in self.mesh_sizes.items() if s > 1) or "single rank"
+        dims = describe_sizes(self.mesh_sizes)
         note = "; gloo on CUDA works but is slower than NCCL" if self.backend == "gloo" and \
             self.device_type == "cuda" else ""
         if self.auto_layout:
             dims = f"layout auto over {self.world_size} ranks"
         return f"{dims} on {', '.join(self.devices)} ({self.backend}{note})"
+
+
+def describe_sizes(sizes: dict[str, int]) -> str:
+    """'ring2 x ulysses2': the dimensions above 1, outermost first."""
+    return " x ".join(f"{d}{sizes.get(d, 1)}" for d in MESH_DIMS if sizes.get(d, 1) > 1) or "single rank"
 
 
 def _fail(input_name: str, value, valid: str, node: str = NODE) -> ConfigError:

@@ -35,7 +35,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn, device: torch.device, repeats: int = REPEATS) -> float:
+def median_seconds(fn, device: torch.device, repeats: int = REPEATS) -> float:
     fn()  # warm-up (kernel selection, buffers)
     _sync(device)
     samples = []
@@ -47,7 +47,7 @@ def _median_s(fn, device: torch.device, repeats: int = REPEATS) -> float:
     return statistics.median(samples)
 
 
-def _model_attention():
+def model_attention_function():
     """ComfyUI's attention function as its command line chose it (PyTorch's where there is no ComfyUI)."""
     try:
         from comfy.ldm.modules.attention import optimized_attention
@@ -77,19 +77,19 @@ def measure_compute(device: torch.device) -> dict:
     for side in MATMUL_SIDES[kind]:
         a = torch.randn(side, side, device=device, dtype=dtype)
         b = torch.randn(side, side, device=device, dtype=dtype)
-        times.append((2.0 * side ** 3, _median_s(lambda: torch.mm(a, b), device)))
+        times.append((2.0 * side ** 3, median_seconds(lambda: torch.mm(a, b), device)))
     (f_small, t_small), (f_large, t_large) = times
     peak = (f_large - f_small) / max(t_large - t_small, 1e-9)
     overhead = max(t_small - f_small / peak, 0.0)
     tokens = ATTENTION_TOKENS[kind]
     q = torch.randn(1, 4, tokens, 64, device=device, dtype=dtype)
     flat = q.transpose(1, 2).reshape(1, tokens, 4 * 64)
-    model_attention = _model_attention()
+    model_attention = model_attention_function()
     # The attention ComfyUI runs (Ulysses and one rank call it) and the kernel of the Ring steps.
-    attention_s = _median_s(lambda: model_attention(flat, flat, flat, 4), device)
-    ring_s = _median_s(lambda: attention_with_lse(q, q, q, 0.125), device)
+    attention_s = median_seconds(lambda: model_attention(flat, flat, flat, 4), device)
+    ring_s = median_seconds(lambda: attention_with_lse(q, q, q, 0.125), device)
     x = torch.randn(ELEMENTWISE_NUMEL[kind], device=device, dtype=dtype)
-    elementwise_s = _median_s(lambda: torch.addcmul(x, x, x), device)
+    elementwise_s = median_seconds(lambda: torch.addcmul(x, x, x), device)
     return {
         "dtype": str(dtype).replace("torch.", ""),
         "matmul_flops_per_s": peak,
@@ -124,7 +124,7 @@ def measure_links(device: torch.device, rank: int, world_size: int) -> dict:
         }
         for name, fn in ops.items():
             comm.all_reduce(torch.zeros(1, device=device))  # start together
-            samples[name].append((numel * 4, _median_s(fn, device)))
+            samples[name].append((numel * 4, median_seconds(fn, device)))
     for name, (small, large) in samples.items():
         out[name] = _fit(small, large)
     return out

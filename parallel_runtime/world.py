@@ -38,7 +38,7 @@ from . import arguments, compile_regions, probe, protocol, transport
 from .auto_layout import AutoLayouts
 from .model_copies import ModelCopies
 from .watchdog import Watchdog, prepare_nccl_environment
-from .config import ParallelConfig
+from .config import MESH_DIMS, ParallelConfig, describe_sizes
 from .mesh import MeshLayout, ProcessMesh
 from .execution import run_sharded
 from .plans import ModelPlan, check_supported_arguments
@@ -579,7 +579,7 @@ class World:
             for w in self.workers:
                 w.conn.send(("mesh", list(layout.sizes)))
             mesh = self.meshes[layout.sizes] = ProcessMesh(layout, 0)  # new_group: every rank, in order
-            log.info("parallel world: process groups for layout %s formed", describe_layout(layout))
+            log.info("parallel world: process groups for layout %s formed", describe_sizes(dict(zip(MESH_DIMS, layout.sizes))))
         return mesh
 
     def _threads(self):
@@ -683,8 +683,6 @@ class World:
                           "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
                           "coords": self.current_layout.coords(rank), "host": self.config.host_of(rank) or "local",
                           "compiling": bool(compiling), "compiles": int(compiles), "recompiles": int(recompiles)})
-        from .config import MESH_DIMS
-
         mesh = dict(zip(MESH_DIMS, self.current_layout.sizes)) if self.config.auto_layout else self.config.mesh_sizes
         return {"world_size": self.world_size, "mesh": mesh, "backend": self.config.backend,
                 "transport": self.copies.transport, "last_weight_send": self.copies.last_send or None,
@@ -692,12 +690,6 @@ class World:
                 "layouts": self.auto.status(), "notes": list(self.notes),
                 "state": self.state, "failure": self.failure, "forwards": self.forwards,
                 "compiling": any(r["compiling"] for r in ranks), "ranks": ranks}
-
-
-def describe_layout(layout: MeshLayout) -> str:
-    from .config import MESH_DIMS
-
-    return " x ".join(f"{d}{s}" for d, s in zip(MESH_DIMS, layout.sizes) if s > 1) or "single rank"
 
 
 def synchronize(device: torch.device) -> None:
