@@ -116,6 +116,9 @@ class _Worker:
         self.reported_error: str | None = None
         self.stats: list | None = None  # a remote worker's status row
         self._recv_lock = threading.Lock()  # the prompt thread and the status route both read
+        # Messages read by someone other than the one waiting for them (the status route drains a
+        # remote worker's connection at any time): kept here for the next recv, never dropped.
+        self._inbox: collections.deque = collections.deque()
         if proc is not None:
             self._relay = threading.Thread(target=self._relay_output, name=f"parallel-rank{rank}-log", daemon=True)
             self._relay.start()
@@ -139,6 +142,8 @@ class _Worker:
     def recv(self, timeout: float):
         """One message, or None when nothing arrived within ``timeout``."""
         with self._recv_lock:
+            if self._inbox:
+                return self._inbox.popleft()
             try:
                 if not self.conn.poll(timeout):
                     return None
@@ -147,25 +152,23 @@ class _Worker:
                 self.lost = True
                 raise
 
-    def drain(self) -> list:
-        """Messages the worker sent on its own (error reports, releases, a remote worker's status)."""
-        msgs = []
-        try:
-            while self.conn is not None:
-                msg = self.recv(0)
-                if msg is None:
-                    break
-                msgs.append(msg)
-        except (EOFError, OSError):
-            pass
-        for msg in msgs:
-            if msg and msg[0] == "error" and self.reported_error is None:
-                self.reported_error = msg[2]
-            if msg and msg[0] == "released":
-                self.released = True
-            if msg and msg[0] == "stats":
-                self.stats = msg[1]
-        return msgs
+    def drain(self) -> None:
+        """Take note of what the worker sent on its own (error reports, releases, a remote worker's
+        status). Anything else is a reply someone waits for: it stays in the inbox for ``recv``."""
+        with self._recv_lock:
+            try:
+                while self.conn is not None and self.conn.poll(0):
+                    msg = self.conn.recv()
+                    if msg and msg[0] == "stats":
+                        self.stats = msg[1]
+                    elif msg and msg[0] == "released":
+                        self.released = True
+                    else:
+                        if msg and msg[0] == "error" and self.reported_error is None:
+                            self.reported_error = msg[2]
+                        self._inbox.append(msg)
+            except (EOFError, OSError):
+                self.lost = True
 
 
 class World:
@@ -638,8 +641,8 @@ class World:
         """A rank is compiling (the first compiled step can outlast the collective timeout)."""
         if compile_regions.watch().compiling:
             return True
-        # On another host a worker's last "stats" message says. Read only inside a forward, when
-        # rank 0 expects no answer from the workers (elsewhere this read could take one).
+        # On another host a worker's last "stats" message says. Only a forward compiles, so only
+        # then is it read (replies read here stay in the worker's inbox, see _Worker.drain).
         for w in (self.workers if self.watchdog.section == "forward" else ()):
             if w.host is not None:
                 w.drain()

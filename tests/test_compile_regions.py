@@ -146,7 +146,7 @@ def test_the_watchdog_waits_while_a_rank_compiles():
 
 def test_a_worker_on_another_host_compiling_keeps_the_watchdog_waiting():
     """A remote worker has no shared status table: its compile listener sends a "stats" row, which
-    rank 0 reads inside a forward only (elsewhere it would take a message rank 0 waits for)."""
+    rank 0 reads inside a forward only (the only section that compiles)."""
     from parallel_runtime import protocol
     from parallel_runtime.config import HostDevices, build_config
     from parallel_runtime.world import World

@@ -1,0 +1,58 @@
+"""Rank 0's handle on a worker: a message read by one thread (the status route draining a remote
+worker's connection) must still reach the thread that waits for it (the prompt thread's expect)."""
+import multiprocessing
+import time
+
+import pytest
+
+from parallel_runtime import protocol
+from parallel_runtime.config import HostDevices, build_config
+from parallel_runtime.world import World, WorkerFailure, _Worker
+
+
+@pytest.fixture()
+def remote():
+    mine, theirs = multiprocessing.Pipe()
+    worker = _Worker(1, "cpu", None, host="gpu-b")
+    worker.conn = mine
+    world = World(build_config(ulysses_size=2, host=HostDevices("cpu", cpu_count=2)), comfyui_path=".")
+    world.workers = [worker]
+    try:
+        yield world, worker, theirs
+    finally:
+        world.watchdog.close()
+        mine.close()
+        theirs.close()
+
+
+def test_a_reply_drained_by_the_status_route_reaches_the_waiting_thread(remote):
+    world, worker, theirs = remote
+    row = [float(i) for i in range(len(protocol.STATUS_FIELDS))]
+    theirs.send(("stats", row))
+    theirs.send(("loaded", 7))
+    worker.drain()  # what /parallel/status does for a worker on another host
+    assert worker.stats == row
+    assert world.expect(worker, "loaded", time.monotonic() + 2) == ("loaded", 7)
+    assert worker.recv(0) is None  # consumed once
+
+
+def test_an_error_drained_by_the_status_route_still_fails_the_wait_at_once(remote):
+    world, worker, theirs = remote
+    theirs.send(("error", 1, "Traceback: out of memory on rank 1"))
+    worker.drain()
+    assert worker.reported_error.endswith("out of memory on rank 1")
+    started = time.monotonic()
+    with pytest.raises(WorkerFailure, match="out of memory on rank 1"):
+        world.expect(worker, "loaded", time.monotonic() + 30)
+    assert time.monotonic() - started < 5
+
+
+def test_drain_keeps_replies_in_order_and_notes_a_release(remote):
+    world, worker, theirs = remote
+    for kind in ("bucket_done", "released", "loaded"):
+        theirs.send((kind, 0))
+    worker.drain()
+    worker.drain()  # twice: nothing is read twice or lost
+    assert worker.released
+    assert world.expect(worker, "bucket_done", time.monotonic() + 2)[0] == "bucket_done"
+    assert world.expect(worker, "loaded", time.monotonic() + 2)[0] == "loaded"
