@@ -237,6 +237,11 @@ SCENARIOS += [
         ("flux_ulysses2", "flux", {"ulysses": 2}, flux(FLUX), FLUX.tokens),
         ("flux_ring2", "flux", {"ring": 2}, flux(FLUX), FLUX.tokens),
         ("wan_ulysses2", "wan", {"ulysses": 2}, wan(WAN), WAN.tokens))
+] + [
+    Scenario("vae_decode2_weighted", "vae_kl", "weighted", {"tp": 2},
+             lambda seed, batch, device: build_kl_vae(48, seed, batch, device), 48 * 48, suites=("weighted",),
+             repeat=3, method="decode", extra={"weighted": True},
+             notes="PARALLEL_TEST_SLOW_RANK=1:2; row bands in proportion")
 ]
 
 

@@ -256,12 +256,14 @@ class AutoLayouts:
     def __init__(self, world):
         self._world = weakref.ref(world)
         self._chosen: "weakref.WeakKeyDictionary[torch.nn.Module, Choice]" = weakref.WeakKeyDictionary()
+        self._last_measured: tuple[float, ...] = ()  # the speeds the latest choice measured
 
     def layout_for(self, module, plan: ModelPlan, method, args: tuple, kwargs: dict) -> MeshLayout:
         found = self._chosen.get(module)
         if found is None:
             found = self._choose(module, plan, method, args, kwargs)
             self._chosen[module] = found
+            self._last_measured = found.weights
         return MeshLayout.from_sizes(found.chosen.sizes)
 
     def _choose(self, module, plan, method, args, kwargs) -> Choice:
@@ -296,8 +298,10 @@ class AutoLayouts:
         return choice
 
     def weights_for(self, module) -> tuple[float, ...]:
+        """The speeds measured for this model; for a model auto does not lay out (a VAE's bands),
+        those of the latest model it did (() until then: even bands)."""
         found = self._chosen.get(module)
-        return found.weights if found is not None else ()
+        return found.weights if found is not None else self._last_measured
 
     def status(self) -> list[dict]:
         return [c.as_dict() for c in list(self._chosen.values())]

@@ -24,11 +24,11 @@ def sequence_parallel(mesh: ProcessMesh) -> SequenceParallel:
         ring_group=mesh.group("ring"), ring_size=mesh.size("ring"), ring_rank=mesh.local_rank("ring"))
 
 
-def sp_weights(mesh: ProcessMesh, weights: tuple[float, ...] | None) -> tuple[float, ...] | None:
-    """The weights of this rank's sequence-parallel group, or None where they are all alike."""
+def group_weights(mesh: ProcessMesh, dim: str, weights: tuple[float, ...] | None) -> tuple[float, ...] | None:
+    """The weights of this rank's group along ``dim`` ("sp", "world"), or None where they are all alike."""
     if not weights:
         return None
-    mine = tuple(float(weights[r]) for r in mesh.ranks("sp"))
+    mine = tuple(float(weights[r]) for r in mesh.ranks(dim))
     return mine if len(set(mine)) > 1 else None
 
 
@@ -37,12 +37,12 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
                 compile: CompileSettings | None = None, weights: tuple[float, ...] | None = None):
     """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has);
     ``compile``: the plan's blocks run compiled (compile_regions); ``weights``: relative speed
-    per global rank, for a weighted token split (None or all equal: the even split)."""
+    per global rank, for a weighted token split or VAE bands (None or all equal: the even split)."""
     if plan.kind == "vae":  # every rank decodes (or encodes) a band of rows; see vae_parallel
         from .vae_parallel import run_vae
 
         return run_vae(module, plan, mesh.group("world"), mesh.size("world"), mesh.local_rank("world"), call,
-                       args, kwargs, communicate=distributed_attention)
+                       args, kwargs, communicate=distributed_attention, weights=group_weights(mesh, "world", weights))
     if plan.kind == "encoder":  # every rank holds a slice of every layer; the whole input everywhere
         with tensor_parallel(module, plan.tensor_parallel, mesh.group("world"), mesh.size("world")):
             return call(*args, **kwargs)
@@ -53,7 +53,7 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
     cfg_parallel.split_bound(bound, split)
     with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")), \
             context_parallel(module, plan, bound, sp=sequence_parallel(mesh), sp_group=mesh.group("sp"),
-                             distributed_attention=distributed_attention, weights=sp_weights(mesh, weights)), \
+                             distributed_attention=distributed_attention, weights=group_weights(mesh, "sp", weights)), \
             compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)):
         out = call(*bound.args, **bound.kwargs)
     return cfg_parallel.gather_output(out, split, mesh.group("cfg"))

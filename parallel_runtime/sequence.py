@@ -74,11 +74,11 @@ def pad_along(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def weighted_sizes(total: int, weights: tuple[float, ...]) -> tuple[int, ...]:
-    """``total`` tokens in proportion to ``weights`` (largest remainders), at least one each where
-    there are enough tokens."""
+def weighted_sizes(total: int, weights: tuple[float, ...], least: int = 1) -> tuple[int, ...]:
+    """``total`` tokens in proportion to ``weights`` (largest remainders), at least ``least`` each
+    where there are enough tokens."""
     n = len(weights)
-    floor = 1 if total >= n else 0
+    floor = least if total >= least * n else 0
     spare = total - floor * n
     shares = [spare * w / sum(weights) for w in weights]
     sizes = [floor + int(x) for x in shares]

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from . import comm
 from .plans.base import ModelPlan
 from .plans.vae import PLANS, BandPlan, check_vae, find_vae_plan, matches_any, supported_vaes_text
+from .sequence import weighted_sizes
 
 log = logging.getLogger("parallel")
 
@@ -70,11 +71,16 @@ __all__ = ["run_vae", "check_vae", "find_vae_plan", "PLANS", "Bands", "ConvRows"
 class Bands:
     """How ``total`` input rows are cut: whole units of ``unit`` rows spread as evenly
     as possible (the first ranks take one more when they do not divide); rows that do
-    not fill a unit go to the last band."""
+    not fill a unit go to the last band.
+
+    With ``weights`` (relative speed per rank) the units go in proportion instead, each
+    band keeping at least ``least`` units (the tallest halo) where there are enough."""
 
     total: int
     unit: int
     parts: int
+    weights: tuple[float, ...] = ()
+    least: int = 1
 
     @property
     def units(self) -> int:
@@ -82,11 +88,16 @@ class Bands:
 
     @property
     def min_units(self) -> int:
-        return self.units // self.parts
+        return min(self._units())
+
+    def _units(self) -> list[int]:
+        if self.weights:
+            return list(weighted_sizes(self.units, self.weights, self.least))
+        base, extra = divmod(self.units, self.parts)
+        return [base + (r < extra) for r in range(self.parts)]
 
     def sizes(self) -> list[int]:
-        base, extra = divmod(self.units, self.parts)
-        sizes = [(base + (r < extra)) * self.unit for r in range(self.parts)]
+        sizes = [u * self.unit for u in self._units()]
         sizes[-1] += self.total - self.units * self.unit
         return sizes
 
@@ -393,14 +404,15 @@ def _method_name(call) -> str:
 
 
 def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, rank: int, call, args: tuple,
-            kwargs: dict, *, communicate: bool = True):
+            kwargs: dict, *, communicate: bool = True, weights: tuple[float, ...] | None = None):
     """Run ``call(*args, **kwargs)`` (the module's ``decode`` or ``encode``; the latent or
     the pixels are ``args[0]``, ``[B, C, (T,) H, W]``) over row bands on every rank.
 
     Returns the whole output on rank 0 and None on the other ranks. Every rank must
     call it with the same input. ``communicate=False`` (or the module attribute
     ``LOCAL_ONLY_ATTR``) skips the exchanges: a diagnostic that shows what naive
-    tiling would compute.
+    tiling would compute. ``weights`` (relative speed per rank of ``group``): bands
+    in proportion instead of even.
     """
     if group is None or world_size == 1:
         return call(*args, **kwargs)
@@ -417,9 +429,10 @@ def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, ra
     unit = 1 if method == "decode" else int(bands_plan.encode_rows(module))
     convs = band_convs(module, bands_plan)
     halo = max([1] + [rows.halo for _, rows in convs])
-    bands = Bands(x.shape[ROWS], unit, world_size)
+    bands = Bands(x.shape[ROWS], unit, world_size, tuple(weights or ()), halo)
     last_run.clear()
-    last_run.update(method=method, rows=bands.total, unit=unit, sizes=bands.sizes(), halo=halo, fallback=False)
+    last_run.update(method=method, rows=bands.total, unit=unit, sizes=bands.sizes(), halo=halo, fallback=False,
+                    weights=bands.weights)
     if bands.min_units < halo:
         # Too few rows to give every rank a band at least as tall as any halo (at every
         # resolution). Tiny images only: every rank computes the whole thing, exactly and

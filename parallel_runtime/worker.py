@@ -321,17 +321,25 @@ def slow_factor(rank: int) -> float:
 
 def _slowed(module, plan, rank: int):
     """Test-only: PARALLEL_TEST_SLOW_RANK="<rank>:<factor>" makes that rank as many times slower
-    (after each of the plan's blocks it waits factor - 1 times the CPU time the block took, and its
-    layout-auto timings are that much slower), to check weighted splits against a slow GPU on a
-    machine of equal ranks. Workers only (rank 1 and up)."""
+    (after each of the plan's blocks, or a VAE's convolutions, it waits factor - 1 times the CPU
+    time that module took, and its layout-auto timings are that much slower), to check weighted
+    splits against a slow GPU on a machine of equal ranks. Workers only (rank 1 and up)."""
     import contextlib
 
     factor = slow_factor(rank)
-    if factor == 1.0 or plan.kind != "transformer":
+    if factor == 1.0 or plan.kind not in ("transformer", "vae"):
         return contextlib.nullcontext()
     from parallel_runtime import scoped_hooks
-    from parallel_runtime.compile_regions import region_patterns
-    from parallel_runtime.plans.base import matching_modules
+
+    if plan.kind == "vae":
+        from parallel_runtime.vae_parallel import band_convs
+
+        slowed = [conv for conv, _ in band_convs(module, plan.vae)]
+    else:
+        from parallel_runtime.compile_regions import region_patterns
+        from parallel_runtime.plans.base import matching_modules
+
+        slowed = [mod for pattern in region_patterns(plan) for _, mod in matching_modules(module, pattern)]
 
     extra = factor - 1
     started: dict[int, float] = {}
@@ -348,9 +356,8 @@ def _slowed(module, plan, rank: int):
     def hooked():
         handles = []
         try:
-            for pattern in region_patterns(plan):
-                for _, mod in matching_modules(module, pattern):
-                    handles += [scoped_hooks.pre_hook(mod, before), scoped_hooks.post_hook(mod, after)]
+            for mod in slowed:
+                handles += [scoped_hooks.pre_hook(mod, before), scoped_hooks.post_hook(mod, after)]
             yield
         finally:
             for h in handles:
