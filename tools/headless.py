@@ -75,9 +75,11 @@ def follow(server: str, client_id: str, prompt_id: str, timeout: float) -> None:
                     print(f"\n  running node {data['node']}", flush=True)
                 elif kind in ("execution_success", "execution_error", "execution_interrupted"):
                     print()
-                    return
+                    break
         finally:
             ws.close()
+    # ComfyUI announces the end before it files the prompt in its history (0.33 does so later
+    # than 0.3.75): wait for the entry either way.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if http(server, f"/history/{prompt_id}").get(prompt_id, {}).get("status", {}).get("completed") is not None:
