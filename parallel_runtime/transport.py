@@ -256,7 +256,7 @@ def pack_module(module: torch.nn.Module, module_state=None) -> bytes:
             _shared_cpu(plain)
     buf = io.BytesIO()
     try:
-        _ModulePickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state).dump(module)
+        _ModulePickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state).dump((class_settings(module), module))
     except Exception as exc:
         raise _cannot_send(module, exc) from exc
     return buf.getvalue()
@@ -360,20 +360,35 @@ def pack_skeleton(module: torch.nn.Module, module_state=None, forms=None
     buf = io.BytesIO()
     try:
         pickler = _SkeletonPickler(buf, pickle.HIGHEST_PROTOCOL, module_state=module_state, forms=forms)
-        pickler.dump(module)
+        pickler.dump((class_settings(module), module))
     except Exception as exc:
         raise _cannot_send(module, exc) from exc
     return buf.getvalue(), pickler.tensors, pickler.packed, pickler.parts
 
 
+# Custom node packages this process knows by folder but whose __init__ has not run: a worker
+# needs a layer class from one module of the pack (ComfyUI-GGUF's ops), not its nodes, whose
+# imports (comfy.sd, nodes, ...) would cost every worker some 70 MB of its own memory.
+_PENDING_PACKAGE_INIT: set[str] = set()
+
+
 def import_module(name: str):
     """``importlib.import_module``, also for the modules of ComfyUI custom node packs, which
     ComfyUI imports under their folder's path (dots as ``_x_``) rather than an importable name:
-    a layer class, hook or patch from another node pack travels to the workers like ComfyUI's own."""
+    a layer class, hook or patch from another node pack travels to the workers like ComfyUI's own.
+    A pack's own ``__init__`` runs only when what is asked for needs it."""
+    top = name.split(".", 1)[0]
+    if top in _PENDING_PACKAGE_INIT:
+        if name != top:
+            try:
+                return importlib.import_module(name)
+            except ImportError:  # the submodule wants what the package's __init__ sets up
+                pass
+        _run_package_init(top)
+        return importlib.import_module(name)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError:
-        top = name.split(".", 1)[0]
         folder = top.replace("_x_", ".")
         if not os.path.isabs(folder) or top in sys.modules:
             raise
@@ -382,14 +397,19 @@ def import_module(name: str):
             raise
         spec = importlib.util.spec_from_file_location(top, init, submodule_search_locations=(
             [folder] if os.path.isdir(folder) else None))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[top] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            sys.modules.pop(top, None)
-            raise
-        return importlib.import_module(name)
+        sys.modules[top] = importlib.util.module_from_spec(spec)
+        _PENDING_PACKAGE_INIT.add(top)
+        return import_module(name)
+
+
+def _run_package_init(top: str) -> None:
+    _PENDING_PACKAGE_INIT.discard(top)
+    module = sys.modules[top]
+    try:
+        module.__spec__.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(top, None)
+        raise
 
 
 class _Unpickler(pickle.Unpickler):
@@ -399,7 +419,43 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _loads(data: bytes):
-    return _Unpickler(io.BytesIO(data)).load()
+    settings, module = _Unpickler(io.BytesIO(data)).load()
+    apply_class_settings(settings)
+    return module
+
+
+_SETTING_TYPES = (type(None), bool, int, float, str, torch.dtype)
+
+
+def class_settings(module: torch.nn.Module) -> list[tuple[str, str, dict]]:
+    """The plain class attributes (numbers, strings, dtypes, None) of every class the module's
+    layers are made of, outside torch, as this process has them now. A loader may set them at
+    run time, for every layer of the class at once (ComfyUI-GGUF's advanced loader sets its
+    layer class's dequantization and patch dtypes): a worker's fresh import of the class would
+    otherwise compute differently from rank 0, without a word."""
+    out, seen = [], set()
+    for layer in module.modules():
+        for cls in type(layer).__mro__:
+            if cls in seen or cls.__module__ in ("builtins",) or cls.__module__.split(".")[0] == "torch":
+                continue
+            seen.add(cls)
+            if "<locals>" in cls.__qualname__:
+                continue
+            attrs = {k: v for k, v in vars(cls).items() if not k.startswith("__") and isinstance(v, _SETTING_TYPES)}
+            if attrs:
+                out.append((cls.__module__, cls.__qualname__, attrs))
+    return out
+
+
+def apply_class_settings(settings: list[tuple[str, str, dict]]) -> None:
+    """Give this process's classes the attribute values rank 0's had when it sent the model."""
+    for module_name, qualname, attrs in settings:
+        cls = import_module(module_name)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        for name, value in attrs.items():
+            if name not in vars(cls) or vars(cls)[name] != value:
+                setattr(cls, name, value)
 
 
 def unpack_skeleton(data: bytes, tensors: list[torch.Tensor]) -> torch.nn.Module:

@@ -178,6 +178,25 @@ def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_node
         world.shutdown("test done")
 
 
+@pytest.mark.parametrize("transport", ["shared", "handles"])
+def test_a_layer_class_setting_made_on_rank_0_reaches_the_workers(comfyui_path, monkeypatch, gguf_nodes, transport):
+    """UnetLoaderGGUFAdvanced sets its dequantization dtype on ComfyUI-GGUF's layer class, not on
+    the layers: the workers' classes must take rank 0's value, or they dequantize differently."""
+    model, _ = gguf_wan(gguf_nodes, seed=3)
+    args = wan_inputs(seed=4)
+    default = reference(model, args)
+    monkeypatch.setattr(gguf_nodes.ops.GGMLOps.Linear, "dequant_dtype", torch.float32, raising=False)
+    ref = reference(model, args)
+    assert (ref - default).abs().max().item() > 1e-4  # the setting changes the result
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": transport}, ulysses_size=2)
+    try:
+        err = (run(world, model, args) - ref).abs().max().item()
+        print(f"\nGGUF dequantized in fp32 on rank 0, Ulysses 2 by {transport}: max abs err {err:.2e}")
+        assert err <= 1e-5
+    finally:
+        world.shutdown("test done")
+
+
 @pytest.mark.parametrize("transport,sizes", [("handles", dict(tp_size=2)), ("process_group", dict(ulysses_size=2))],
                          ids=["tp2-handles", "ulysses2-process_group"])
 def test_comfy_quantized_layouts_over_the_weight_stream(comfyui_path, monkeypatch, transport, sizes):
@@ -207,3 +226,32 @@ def test_comfy_quantized_layouts_over_the_weight_stream(comfyui_path, monkeypatc
             assert comfy_quantized.layout_name(q) is not None and tuple(q.shape) == (256, 512)
     finally:
         world.shutdown("test done")
+
+
+def test_a_node_pack_module_loads_without_the_pack_init_until_something_needs_it(tmp_path):
+    """Workers unpickle layer classes of other node packs by the module name ComfyUI gave them
+    (the folder's path, dots as _x_). Only that module is imported: the pack's __init__ (its nodes,
+    which import much of ComfyUI) runs only for a module or class that needs it."""
+    from parallel_runtime import transport
+
+    marker = tmp_path / "inits"
+    pack = tmp_path / "Some.Pack"
+    pack.mkdir()
+    (pack / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('x')\nVALUE = 7\nclass FromInit:\n    pass\n")
+    (pack / "ops.py").write_text("class Layer:\n    pass\n")
+    (pack / "needs_init.py").write_text("from . import VALUE\n")
+    name = str(pack).replace(".", "_x_")
+
+    assert transport.import_module(f"{name}.ops").Layer.__module__ == f"{name}.ops"
+    assert not marker.exists()  # the pack's __init__ did not run
+    assert transport.import_module(f"{name}.needs_init").VALUE == 7
+    assert marker.read_text() == "x"  # run once, when a module needed it
+    assert transport.import_module(name).FromInit and marker.read_text() == "x"
+
+    other = tmp_path / "Other.Pack"
+    other.mkdir()
+    (other / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('y')\nclass FromInit:\n    pass\n")
+    assert transport.import_module(str(other).replace(".", "_x_")).FromInit  # a class of the __init__ itself
+    assert marker.read_text() == "xy"
+    with pytest.raises(ModuleNotFoundError):
+        transport.import_module(str(other).replace(".", "_x_") + ".missing")
