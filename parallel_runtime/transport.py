@@ -220,16 +220,19 @@ def param_bytes(module: torch.nn.Module) -> int:
 
 
 def param_bytes_all(modules) -> int:
-    """Bytes of weights held, counting a tensor shared by several modules once."""
+    """Bytes of weights held, counting a tensor shared by several modules once; a QuantizedTensor
+    by the data and scales it stores (its ``element_size`` is its logical dtype's: fp8 counted as
+    fp32 made a TP rank of an fp8 model look like it held twice the file)."""
     seen = set()
     total = 0
     for module in modules:
-        for t in module_tensors(module):
-            key = (t.data_ptr(), t.numel())
-            if key in seen:
-                continue
-            seen.add(key)
-            total += t.numel() * t.element_size()
+        for held in module_tensors(module):
+            for t in plain_tensors(held):
+                key = (t.data_ptr(), t.numel())
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += t.numel() * t.element_size()
     return total
 
 

@@ -110,7 +110,7 @@ def encoded(server, prompt, folder):
 def test_umt5_through_shard_text_encoder_tp2_equals_the_unsharded_encoder(gguf_server):
     """CLIPLoaderGGUF (type wan: UMT5-XXL, Q4_K) -> Shard Text Encoder (2 ranks, every planned layer
     cut from the GGUF blocks) -> CLIPTextEncode equals the same graph without the shard node. The
-    sampling of every image file is in test_comfy_gguf_layouts.py."""
+    sampling of every image file is in test_comfy_quantized_layouts.py."""
     text = "a red fox running through fresh snow"
     plain = tiny_gguf.text_encoder_prompt("umt5_q4_k", text, "gguf_umt5_ref")
     sharded = tiny_gguf.text_encoder_prompt("umt5_q4_k", text, "gguf_umt5_tp2")

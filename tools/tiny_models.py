@@ -230,6 +230,27 @@ def flux1_state_dict(seed: int = 11, depth: int = 1, depth_single: int = 1, text
         device=device)
 
 
+FP8_E4M3_MAX = 448.0
+
+
+def scaled_fp8_state_dict(sd: dict) -> dict[str, torch.Tensor]:
+    """``sd`` as a "scaled fp8" checkpoint (the form of ComfyUI's ``*_fp8_scaled`` files): every
+    matrix (the model's Linear weights) in float8_e4m3fn with a per-tensor fp32 ``scale_weight``
+    beside it, and the empty ``scaled_fp8`` tensor that tells ComfyUI's loader. ComfyUI 0.3.75
+    loads it with its scaled-fp8 layers; 0.33 converts it to QuantizedTensor (TensorCoreFP8Layout)."""
+    fp8 = torch.float8_e4m3fn
+    out = {}
+    for key, value in sd.items():
+        if key.endswith(".weight") and value.ndim == 2 and value.is_floating_point():
+            scale = value.float().abs().max().clamp_min(1e-12) / FP8_E4M3_MAX
+            out[key] = (value.float() / scale).to(fp8)
+            out[key[:-len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            out[key] = value
+    out["scaled_fp8"] = torch.empty(0, dtype=fp8)
+    return out
+
+
 def stating_config(sd: dict, part: str, config: dict) -> tuple[dict, dict]:
     """(state dict, safetensors metadata stating ``config`` under ``config`` -> ``part``): the form
     ComfyUI reads from LTXV files and the test server's extension applies to any family

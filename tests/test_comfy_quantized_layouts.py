@@ -1,7 +1,12 @@
-"""GGUF models (ComfyUI-GGUF's loaders, installed in the test host as a user would) through a real
-ComfyUI server, under every layout, against the unsharded GGUF run of the same server: the same
-dequantization on every rank, so fp32 tolerance. A LoRA sits before and one after Shard
-Transformer in every graph. Tiny files in Q8_0, Q4_K and Q5_K are written by tools/tiny_gguf.py.
+"""Quantized model files through a real ComfyUI server, under every layout, against the unsharded
+run of the same file in the same server: the same dequantization on every rank, so fp32 tolerance.
+A LoRA sits before and one after Shard Transformer in every graph.
+
+- GGUF (ComfyUI-GGUF's loader, installed in the test host as a user would): Q8_0, Q4_K and Q5_K
+  files written by tools/tiny_gguf.py;
+- ComfyUI's own scaled-fp8 checkpoints (the ``*_fp8_scaled`` files) through the stock UNETLoader:
+  per-tensor float8_e4m3fn with a scale per layer (tools/tiny_models.scaled_fp8_state_dict) of the
+  same models. 0.3.75 runs them in its scaled-fp8 layers, 0.33 as QuantizedTensor.
 """
 from __future__ import annotations
 
@@ -27,6 +32,18 @@ def _models() -> tuple[str, ...]:
 
 
 MODELS = _models()
+FP8 = "fp8_scaled"
+FORMATS = (*gguf_tools.GGUF_QTYPES, FP8)  # per model file: a GGUF type, or ComfyUI's scaled fp8
+
+
+def fp8_file(model: str) -> str:
+    return f"{gguf_tools.MODELS[model][2]}_{FP8}.safetensors"
+
+
+def loader(model: str, form: str) -> dict:
+    if form == FP8:
+        return {"class_type": "UNETLoader", "inputs": {"unet_name": fp8_file(model), "weight_dtype": "default"}}
+    return {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": gguf_tools.GGUF_FILES[f"{model}_{form.lower()}"]}}
 WAN_LATENT = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 48, "height": 32, "length": 5,
                                                                   "batch_size": 1}}
 FLUX_LATENT = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 48, "batch_size": 1}}
@@ -51,14 +68,18 @@ def gguf_server(tiny_server):
         pytest.fail("ComfyUI-GGUF is not installed in this host: tools/host.py installs it from ../shared/thirdparty")
     from safetensors.torch import save_file
 
-    from tiny_models import lora_state_dict
+    from tiny_models import lora_state_dict, scaled_fp8_state_dict
 
     base = tiny_server.base_dir
     gguf_tools.write_tiny_gguf_files(base, only=[f"{m}_{q.lower()}" for m in MODELS for q in gguf_tools.GGUF_QTYPES])
     loras = base / "models" / "loras"
     loras.mkdir(parents=True, exist_ok=True)
     for model in MODELS:
-        shapes = {k: tuple(v.shape) for k, v in gguf_tools.MODELS[model][0]().items()}
+        weights = gguf_tools.MODELS[model][0]()
+        fp8 = base / "models" / "diffusion_models" / fp8_file(model)
+        if not fp8.exists():
+            save_file(scaled_fp8_state_dict(weights), str(fp8))
+        shapes = {k: tuple(v.shape) for k, v in weights.items()}
         targets = LORA_TARGETS[model]
         for which, seed, picked in (("before", 61, targets), ("after", 62, targets[::2])):
             path = loras / lora_name(model, which)
@@ -67,12 +88,12 @@ def gguf_server(tiny_server):
     return tiny_server
 
 
-def gguf_prompt(model: str, qtype: str, parallel: dict | None, seed: int = 5) -> dict:
-    """UnetLoaderGGUF -> LoRA -> (Shard Transformer) -> LoRA -> KSampler (1 step: every forward of a
-    sampler's step is the same code) -> SaveLatent."""
+def quantized_prompt(model: str, form: str, parallel: dict | None, seed: int = 5) -> dict:
+    """The file's loader -> LoRA -> (Shard Transformer) -> LoRA -> KSampler (1 step: every forward of
+    a sampler's step is the same code) -> SaveLatent."""
     wan = model == "wan"
     prompt = {
-        "1": {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": gguf_tools.GGUF_FILES[f"{model}_{qtype.lower()}"]}},
+        "1": loader(model, form),
         "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora_name(model, "before"),
                                                               "strength_model": 0.7}},
         "5": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["2", 0], "lora_name": lora_name(model, "after"),
@@ -85,7 +106,7 @@ def gguf_prompt(model: str, qtype: str, parallel: dict | None, seed: int = 5) ->
                                                    "latent_image": ["8", 0], "seed": seed, "steps": 1,
                                                    "cfg": 2.0 if wan else 1.0, "sampler_name": "euler",
                                                    "scheduler": "simple", "denoise": 1.0}},
-        "10": {"class_type": "SaveLatent", "inputs": {"samples": ["9", 0], "filename_prefix": f"latents/gguf_{model}"}},
+        "10": {"class_type": "SaveLatent", "inputs": {"samples": ["9", 0], "filename_prefix": f"latents/quantized_{model}"}},
     }
     if parallel is not None:
         prompt["3"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
@@ -99,21 +120,21 @@ def gguf_prompt(model: str, qtype: str, parallel: dict | None, seed: int = 5) ->
 _REFERENCES: dict = {}
 
 
-def reference(server, model: str, qtype: str):
-    key = (model, qtype)
+def reference(server, model: str, form: str):
+    key = (model, form)
     if key not in _REFERENCES:
-        _REFERENCES[key] = final_latent(server, gguf_prompt(model, qtype, None))
+        _REFERENCES[key] = final_latent(server, quantized_prompt(model, form, None))
     return _REFERENCES[key]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gguf_models_under_every_layout_equal_the_unsharded_run(gguf_server, layout):
+def test_quantized_models_under_every_layout_equal_the_unsharded_run(gguf_server, layout):
     """Each quant type, Wan and Flux, with LoRAs before and after the shard node."""
     errors = {}
     for model in MODELS:
-        for qtype in gguf_tools.GGUF_QTYPES:
+        for qtype in FORMATS:
             ref = reference(gguf_server, model, qtype)
-            out = final_latent(gguf_server, gguf_prompt(model, qtype, LAYOUTS[layout]))
+            out = final_latent(gguf_server, quantized_prompt(model, qtype, LAYOUTS[layout]))
             assert out.shape == ref.shape
             scale = ref.abs().max().item()
             assert scale > 0.1  # a real output, not zeros
@@ -127,24 +148,32 @@ def test_gguf_models_under_every_layout_equal_the_unsharded_run(gguf_server, lay
     assert max(r for _, r in errors.values()) <= TOL, errors
 
 
-def tensor_bytes(path) -> int:
+def tensor_bytes(server, model: str, form: str) -> int:
+    """Bytes of the tensors stored in the model's file of that form."""
+    if form == FP8:
+        from safetensors import safe_open
+
+        with safe_open(str(server.base_dir / "models" / "diffusion_models" / fp8_file(model)), "pt") as f:
+            return sum(f.get_tensor(k).nbytes for k in f.keys())
     import gguf
 
+    path = gguf_tools.gguf_path(server.base_dir, f"{model}_{form.lower()}")
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
 @pytest.mark.parametrize("tp,limit", [(2, 0.52), (4, 0.27)])
 def test_tp_ranks_hold_their_share_of_the_quantized_bytes(gguf_server, tp, limit):
-    """Without LoRA every planned layer is cut as stored: each rank holds its share of the file.
-    Q8_0 (blocks of 32) and Q4_K (super-blocks of 256, the coarsest: Q5_K cuts alike)."""
+    """Without LoRA every planned layer is cut as stored: each rank holds its share of the file
+    (a layer dequantized on the way would hold 2-4 times its stored bytes). Q8_0 (blocks of 32),
+    Q4_K (super-blocks of 256, the coarsest: Q5_K cuts alike) and scaled fp8 (one byte a value)."""
     shares = {}
-    for qtype in ("Q8_0", "Q4_K"):
-        prompt = gguf_prompt("wan", qtype, {"tp_size": tp, "devices": ",".join(["cpu"] * tp)})
+    for qtype in ("Q8_0", "Q4_K", FP8):
+        prompt = quantized_prompt("wan", qtype, {"tp_size": tp, "devices": ",".join(["cpu"] * tp)})
         for node in ("2", "5"):
             prompt[node]["inputs"]["strength_model"] = 0.0  # no patches: nothing is dequantized
         gguf_server.run(prompt, timeout=300)
         ranks = status(gguf_server)["ranks"]
-        whole = tensor_bytes(gguf_tools.gguf_path(gguf_server.base_dir, f"wan_{qtype.lower()}"))
+        whole = tensor_bytes(gguf_server, "wan", qtype)
         shares[qtype] = [r["param_bytes"] / whole for r in ranks]
         assert len(ranks) == tp and min(shares[qtype]) > 0
     print(f"\nTP {tp}: quantized bytes per rank / the file's tensor bytes: "
