@@ -22,6 +22,7 @@ LAYOUTS = {
     "Ulysses 2": {"ulysses_size": 2},
     "Ring 2": {"ring_size": 2},
     "TP 2": {"tp_size": 2},
+    "CFG 2": {"cfg_size": 2},  # Wan samples at cfg 2 (cond and uncond on their own rank); Flux at 1
     "Ulysses 2 x TP 2": {"ulysses_size": 2, "tp_size": 2, "devices": "cpu,cpu,cpu,cpu"},
 }
 def _models() -> tuple[str, ...]:
