@@ -173,7 +173,9 @@ class CompileWatch:
     """What torch compiles in this process: ``compiles`` (frames compiled), ``recompiles`` (frames
     compiled during a forward whose inputs had the same shapes as an earlier one: the first step
     of a prompt may compile, later steps and later prompts of that size must not), and
-    ``compiling`` while it happens (the first compiled step is slow; the status route says why)."""
+    ``compiling`` while it happens (the first compiled step is slow; the status route says why).
+    ``cache_hits`` / ``cache_misses``: graphs inductor loaded from its on-disk cache / built, which
+    tell whether fresh workers (after a restart, a new config) reuse what earlier ones compiled."""
 
     def __init__(self):
         self.compiles = 0
@@ -215,8 +217,17 @@ class CompileWatch:
             self._seen.add(signature)
             self.compiling = False
 
-    def row(self) -> tuple[float, float, float]:
-        return float(self.compiling), float(self.compiles), float(self.recompiles)
+    @staticmethod
+    def cache_counts() -> tuple[int, int]:
+        """(graphs loaded from inductor's cache, graphs it compiled) in this process so far."""
+        from torch._dynamo.utils import counters
+
+        inductor = counters["inductor"]
+        return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+
+    def row(self) -> tuple[float, ...]:
+        hits, misses = self.cache_counts()
+        return float(self.compiling), float(self.compiles), float(self.recompiles), float(hits), float(misses)
 
 
 _WATCH: CompileWatch | None = None

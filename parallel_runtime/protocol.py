@@ -29,8 +29,8 @@ PATCH_KEYS = ("patches", "patches_replace", "optimized_attention_override")
 # One row per rank in the status table rank 0 shares with its local workers (a remote worker
 # sends its row, followed by its RSS). GPU figures are -1 on other devices.
 STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat", "gpu_allocated", "gpu_reserved",
-                 "compiling", "compiles", "recompiles")
-COMPILE_FIELDS = slice(6, 9)  # compile_regions.CompileWatch.row()
+                 "compiling", "compiles", "recompiles", "compile_cache_hits", "compile_cache_misses")
+COMPILE_FIELDS = slice(6, 11)  # compile_regions.CompileWatch.row()
 
 
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:

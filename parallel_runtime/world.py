@@ -662,7 +662,7 @@ class World:
                 alive, device = True, self.config.devices[0]
                 last_ms, nbytes, forwards = self.last_forward_ms, self.param_bytes_rank0, self.forwards
                 gpu = protocol.device_memory(self.device)
-                compiling, compiles, recompiles = compile_regions.watch().row()
+                compiling, compiles, recompiles, hits, misses = compile_regions.watch().row()
             else:
                 w = self.workers[rank - 1]
                 if w.host is not None:
@@ -674,7 +674,7 @@ class World:
                 last_ms = row[0] if row[2] > 0 else None
                 nbytes, forwards = int(row[1]), int(row[2])
                 gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
-                compiling, compiles, recompiles = row[protocol.COMPILE_FIELDS]
+                compiling, compiles, recompiles, hits, misses = row[protocol.COMPILE_FIELDS]
             if rank > 0 and self.workers[rank - 1].host is not None:  # another host: what it reported
                 rss = row[len(STATUS_FIELDS)] if len(row) > len(STATUS_FIELDS) else None
                 mem = {"rss_bytes": int(rss) if rss else None, "pss_bytes": None}
@@ -685,7 +685,8 @@ class World:
                           "gpu_reserved_bytes": None if gpu[1] is None else int(gpu[1]),
                           "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
                           "coords": self.current_layout.coords(rank), "host": self.config.host_of(rank) or "local",
-                          "compiling": bool(compiling), "compiles": int(compiles), "recompiles": int(recompiles)})
+                          "compiling": bool(compiling), "compiles": int(compiles), "recompiles": int(recompiles),
+                          "compile_cache": {"hits": int(hits), "misses": int(misses)}})
         mesh = dict(zip(MESH_DIMS, self.current_layout.sizes)) if self.config.auto_layout else self.config.mesh_sizes
         return {"world_size": self.world_size, "mesh": mesh, "backend": self.config.backend,
                 "transport": self.copies.transport, "last_weight_send": self.copies.last_send or None,

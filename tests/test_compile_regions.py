@@ -177,3 +177,34 @@ def test_a_worker_on_another_host_compiling_keeps_the_watchdog_waiting():
             assert not world._compiling()
     finally:
         world.watchdog.close()
+
+
+def test_fresh_workers_load_what_earlier_workers_compiled_from_the_cache(runtime, monkeypatch, tmp_path):
+    """Workers are new processes after a restart or a config change: with inductor's on-disk caches
+    (the default) a fresh worker loads the graphs an earlier one built instead of building them."""
+    from conftest import REPO, cpu_world
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from scenarios import FluxShape, build_flux
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the workers' cache, empty at first
+    model, args, kwargs = build_flux(FluxShape(hidden=128, heads=4, double=1, single=1, image_side=16,
+                                               text_tokens=8, context_dim=64, vec_dim=32), seed=7)
+    plan = plan_for_family("flux")
+    options = {"transformer_options": {}}
+    with torch.inference_mode():
+        reference = model._forward(*args, **kwargs, **options)
+    caches = []
+    for _ in range(2):
+        runtime.shutdown("fresh workers")
+        world = cpu_world(runtime, {"ulysses_size": 2})
+        with torch.inference_mode():
+            out = world.forward(model, plan, model._forward, args, {**kwargs, **options}, compile=CompileSettings())
+        worker = world.status()["ranks"][1]
+        assert ((out - reference).abs().max() / reference.abs().max()).item() <= 2e-6
+        assert worker["compiles"] > 0
+        caches.append(worker["compile_cache"])
+    runtime.shutdown("test done")
+    print(f"\nworker's inductor cache, first world: {caches[0]}, fresh workers after it: {caches[1]}")
+    assert caches[0]["misses"] > 0  # the first worker built its graphs (an empty cache)
+    assert caches[1] == {"hits": caches[0]["misses"] + caches[0]["hits"], "misses": 0}

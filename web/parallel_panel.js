@@ -58,7 +58,9 @@ function render(root, status) {
       el("td", { textContent: fmtMs(r.last_forward_ms), className: "hp-last-ms" }),
       el("td", { textContent: r.forwards ?? 0, className: "hp-forwards" }),
       el("td", { className: "hp-compiles",
-        textContent: r.compiling ? "compiling…" : `${r.compiles ?? 0}${r.recompiles ? ` (${r.recompiles} again)` : ""}` }),
+        title: "frames torch.compile compiled (again: for a size already run); from cache: graphs loaded from inductor's on-disk cache instead of built",
+        textContent: r.compiling ? "compiling…" : `${r.compiles ?? 0}${r.recompiles ? ` (${r.recompiles} again)` : ""}`
+          + (r.compile_cache?.hits ? `, ${r.compile_cache.hits} from cache` : "") }),
     ]),
   );
   const table = el("table", { className: "hp-ranks" }, [
