@@ -91,14 +91,16 @@ def mesh_config(scenario, device: str):
     """The scenario's mesh: one CPU rank per slot, or this host's GPUs."""
     import torch
 
-    from parallel_runtime.config import HostDevices, build_config
+    from parallel_runtime.config import HostDevices, build_config, share_devices_requested
 
     sizes = {f"{d}_size": v for d, v in scenario.mesh.items()}
     if device == "cpu":
         n = scenario.world_size
         return build_config(**sizes, devices=",".join(["cpu"] * n),
                             host=HostDevices("cpu", cpu_count=max(os.cpu_count() or 1, n)))
-    return build_config(**sizes, devices="auto", host=HostDevices("cuda:0", cuda_count=torch.cuda.device_count()))
+    # PARALLEL_SHARE_DEVICE=1 (the GPU check on one GPU): the ranks wrap around the GPUs there are.
+    return build_config(**sizes, devices="auto", host=HostDevices("cuda:0", cuda_count=torch.cuda.device_count(),
+                                                                  share_devices=share_devices_requested()))
 
 
 def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dict:

@@ -212,6 +212,9 @@ SCENARIOS = [
       for name, fam, mode, build, tokens in (("flux_ulysses2", "flux", "ulysses", flux(FLUX), FLUX.tokens),
                                              ("flux_tp2", "flux", "tp", flux(FLUX), FLUX.tokens),
                                              ("wan_ulysses2", "wan", "ulysses", wan(WAN), WAN.tokens))],
+    # The same comparison on a model small enough for the suite (tests/test_gpu_check.py runs it).
+    Scenario("flux_smoke_ulysses2_compiled", "flux", "ulysses", {"ulysses": 2}, flux(FLUX_SMOKE), FLUX_SMOKE.tokens,
+             suites=(), repeat=1, extra={"compile": True}, notes="the compiled comparison's smoke run"),
     Scenario("wan_big_ulysses2_memory", "wan", "ulysses", {"ulysses": 2}, wan(WAN_BIG), WAN_BIG.tokens, repeat=2,
              suites=("full", "memory"), notes="1.2 GB of weights: summed PSS of both ranks against one process"),
 ]

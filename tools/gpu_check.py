@@ -8,11 +8,14 @@ a GPU): Wan Ulysses 2, Ring 2, CFG 2, TP 2, USP 2x2, TP after Ulysses on the sam
 LoRA strength change, two sharded models, Shard VAE 2, Shard Text Encoder 2, a killed worker
 and an interrupt. Then a Flux.1-dev-sized model (11.9B parameters, bf16, 4096 image + 512
 text tokens): the first sharded forward, rank 0's host memory growth and each rank's GPU
-memory, for Ulysses 2 and TP 2, against the targets of issue 15.
+memory, for Ulysses 2 and TP 2, against the targets of issue 15. Then torch.compile against
+eager (issue 18): bench/run.py's compiled scenario, eager and compiled at one rank and at two
+ranks sharing the device, timed in turn, in a process of its own.
 
 Run by ``tools/gpu_check.sh`` (which finds or sets up the host). ``--cpu`` runs the same cases
 on CPU ranks with fp32 tolerances (the tests run a few that way, so this script cannot rot);
-``--big tiny`` puts a one-block Flux in place of the Flux.1-dev-sized one. Prints a Markdown
+``--big tiny`` puts a one-block Flux in place of the Flux.1-dev-sized one; ``--compile`` names the
+benchmark scenario of the compiled comparison (``none`` skips it). Prints a Markdown
 table (the README's GPU table takes it) and writes ``out/gpu_check/results.json``.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -314,6 +318,38 @@ def big_model(check: Check, size: str) -> list[Row]:
     return rows
 
 
+# ---------------------------------------------------------------- compiled against eager
+def compiled_comparison(scenario: str, out: Path, gpu: bool) -> list[Row]:
+    """bench/run.py's compiled scenario on this device (two ranks share one GPU through gloo): the
+    gain compiling gives at world size 2 against the one it gives at world size 1 (issue 18's
+    criterion on the CPU: at least 0.95), every rank without recompiles, compiled + sharded equal
+    to eager on one rank. A process of its own: it runs ComfyUI's model code on the device."""
+    label = f"compiled against eager ({scenario})"
+    out.mkdir(parents=True, exist_ok=True)
+    records = out / "compile.jsonl"
+    records.unlink(missing_ok=True)
+    env = dict(os.environ, PARALLEL_SHARE_DEVICE="1") if gpu else dict(os.environ)
+    cmd = [sys.executable, "-u", str(REPO / "bench" / "run.py"), "--scenario", scenario,
+           "--device", "cuda" if gpu else "cpu", "--out", str(records)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0 or not records.exists():
+        return [Row(label, False, note=f"bench/run.py failed ({proc.returncode}): {proc.stderr.strip()[-300:]}")]
+    rows = []
+    tol = 3e-2 if gpu else 1e-5
+    for line in records.read_text().splitlines():
+        r = json.loads(line)
+        ratio = r["compile_speedup_ratio"]
+        ok = r["max_rel_err"] <= tol and not any(r["recompiles_per_rank"])
+        note = (f"eager / compiled ms: 1 rank {r['eager1_ms_median']:.1f} / {r['compiled1_ms_median']:.1f} "
+                f"(gain {r['compile_speedup_world1']:.2f}), 2 ranks {r['eager2_ms_median']:.1f} / "
+                f"{r['compiled2_ms_median']:.1f} (gain {r['compile_speedup_world2']:.2f}); gain 2 / gain 1 "
+                f"{ratio:.2f} ({'meets' if ratio >= 0.95 else 'below'} the CPU target 0.95); first compiled "
+                f"step {r['first_compiled_step_s']} s; recompiles per rank {r['recompiles_per_rank']}; "
+                f"max rel err {r['max_rel_err']:.1e}")
+        rows.append(Row(f"compiled against eager: {r['scenario']}", ok, r["max_abs_err"], None, note, data=r))
+    return rows
+
+
 # ---------------------------------------------------------------- main
 def device_name(gpu: bool) -> str:
     if not gpu:
@@ -339,6 +375,9 @@ def main() -> int:
     parser.add_argument("--big", choices=("dev", "tiny", "none"), default=None,
                         help="the big-model section: Flux.1-dev-sized (default on a GPU), one block, or none "
                              "(default on the CPU)")
+    parser.add_argument("--compile", default=None,
+                        help="the benchmark scenario of the compiled comparison (default on a GPU: "
+                             "flux_ulysses2_compiled; on the CPU: none)")
     parser.add_argument("--out", default=str(REPO / "out" / "gpu_check"))
     opts = parser.parse_args()
     gpu = not opts.cpu
@@ -384,6 +423,14 @@ def main() -> int:
                 traceback.print_exc()
     finally:
         server.stop()
+    compile_scenario = opts.compile or ("flux_ulysses2_compiled" if gpu else "none")
+    if compile_scenario != "none":  # after the server: its ranks no longer hold the device
+        t0 = time.monotonic()
+        for row in compiled_comparison(compile_scenario, out, gpu):
+            row.data["seconds"] = round(time.monotonic() - t0, 1)
+            print(f"[gpu_check] {row.case}: {'pass' if row.ok else 'FAIL'} ({row.data['seconds']} s) {row.note}",
+                  flush=True)
+            rows.append(row)
     report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(gpu), "seconds": round(time.monotonic() - started),
               "targets": TARGETS, "rows": [asdict(r) for r in rows]}
     out.mkdir(parents=True, exist_ok=True)
