@@ -155,9 +155,10 @@ def single_process_references(cases: dict):
     return get
 
 
-def check_every_family(world, built, cases, tol: float) -> int:
+def check_every_family(world, built, cases, tol: float, compile=None, forwards: int = 1) -> int:
     """Every family case (tests/families.py) through ``world`` equals its single-process output
-    (cases whose inputs the plan refuses are left out); returns how many were checked."""
+    (cases whose inputs the plan refuses are left out), ``forwards`` times each, compiled with
+    ``compile`` (compile_regions.CompileSettings) if given; returns how many were checked."""
     import torch
 
     from parallel_runtime.plans import find_plan
@@ -168,9 +169,11 @@ def check_every_family(world, built, cases, tol: float) -> int:
         model, args, kwargs, ref = built(case)
         if refused_input(model, kwargs):
             continue
-        with torch.inference_mode():
-            out = world.forward(model, find_plan(model), model._forward, args, {**kwargs, "transformer_options": {}})
-        err = (out - ref).abs().max().item()
-        assert out.shape == ref.shape and err <= tol, (case, err)
+        for _ in range(forwards):
+            with torch.inference_mode():
+                out = world.forward(model, find_plan(model), model._forward, args,
+                                    {**kwargs, "transformer_options": {}}, compile=compile)
+            err = (out - ref).abs().max().item()
+            assert out.shape == ref.shape and err <= tol, (case, err)
         checked += 1
     return checked
