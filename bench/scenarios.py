@@ -229,6 +229,9 @@ SCENARIOS += [
     Scenario("flux_small_auto2", "flux", "auto", {"ring": 2}, flux(FluxShape(image_side=64, text_tokens=64)),
              FluxShape(image_side=64, text_tokens=64).tokens, suites=("auto",), extra={"auto": True},
              notes="1088 tokens: weights and communication weigh more"),
+    # bench/profile_step.py --overlap on a model small enough for the suite (8 heads: 4 per rank).
+    Scenario("flux_small_ulysses2", "flux", "ulysses", {"ulysses": 2}, flux(FluxShape(image_side=32, text_tokens=16)),
+             FluxShape(image_side=32, text_tokens=16).tokens, suites=()),
 ]
 
 

@@ -124,6 +124,40 @@ def gather_heads(out: torch.Tensor, n: int, group) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, n * hn, s, d)
 
 
+def chunk_count(heads_per_rank: int, wanted: int) -> int:
+    """The most head chunks, at most ``wanted``, that split ``heads_per_rank`` evenly."""
+    return max(c for c in range(1, max(1, min(wanted, heads_per_rank)) + 1) if heads_per_rank % c == 0)
+
+
+def ulysses_pipelined(qkv: torch.Tensor, n: int, group, chunks: int, attend_heads) -> torch.Tensor:
+    """Ulysses with the heads in ``chunks`` groups, so that communication overlaps attention:
+    every group's all-to-all is in flight from the start, a group's attention runs as soon as it
+    has arrived, and its output travels back while the next group computes. ``qkv``: [3, B, H, S, D]
+    sequence-sharded; ``attend_heads(q, k, v)``: attention of [B, g, n*S, D] head groups. Returns
+    [B, H, S, D] sequence-sharded, the heads in the order of the unchunked exchange (each head's
+    attention is the same computation, so the result is too)."""
+    three, b, h, s, d = qkv.shape
+    g = h // n // chunks
+    grouped = qkv.reshape(three, b, n, chunks, g, s, d)  # head = destination rank, chunk, head in chunk
+    incoming = []
+    for j in range(chunks):
+        send = grouped[:, :, :, j].permute(2, 0, 1, 3, 4, 5).contiguous()  # [n (destination), 3, B, g, S, D]
+        recv = torch.empty_like(send)
+        incoming.append((recv, comm.all_to_all_async(recv, send, group)))
+    outgoing = []
+    for recv, pending in incoming:
+        pending.wait()
+        q, k, v = recv.permute(1, 2, 3, 0, 4, 5).reshape(three, b, g, n * s, d).unbind(0)
+        out = attend_heads(q, k, v)
+        send = out.reshape(b, g, n, s, d).permute(2, 0, 1, 3, 4).contiguous()  # [n (destination chunk), B, g, S, D]
+        back = torch.empty_like(send)
+        outgoing.append((back, comm.all_to_all_async(back, send, group)))
+    for _, pending in outgoing:
+        pending.wait()
+    stacked = torch.stack([back for back, _ in outgoing], dim=1)  # [n (head group), chunks, B, g, S, D]
+    return stacked.permute(2, 0, 1, 3, 4, 5).reshape(b, h, s, d)
+
+
 def attention_with_lse(q, k, v, scale: float):
     """Attention and its log-sum-exp per query ([B, H, Sq] in fp32), exact on every device."""
     if q.device.type == "cpu":
@@ -192,6 +226,8 @@ class SequenceParallel:
     ring_group: object
     ring_size: int
     ring_rank: int
+    # Pure Ulysses: head groups whose exchange overlaps the attention of the others (1: one exchange).
+    ulysses_chunks: int = 1
 
     @property
     def sp_rank(self) -> int:
@@ -215,24 +251,34 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
         raise RuntimeError(f"context parallel: attention got {q.shape} but this rank's joint chunk has "
                            f"{layout.local_length} tokens; the model plan does not describe this attention site")
     qkv = torch.stack([layout.pad_local(to_bhsd(t, heads, head_layout), 2) for t in (q, k, v)])  # [3, B, H, S, D]
-    if U > 1:
-        qkv = scatter_heads(qkv, U, sp.ulysses_group)
-    local_heads = heads // U
-    # Real tokens of the U chunks this rank now holds (its ring block).
+    # Real tokens of the U chunks this rank holds after the exchange (its ring block).
     block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
     if R == 1:
         real = layout.gathered(block_ranks(0))
-        q2, k2, v2 = qkv.unbind(0)
         if real is not None:
-            real = real.to(q2.device)
-            q2, k2, v2 = (t.index_select(2, real) for t in (q2, k2, v2))
-        call_args, call_kwargs = _call_args(args, kwargs, q2, k2, v2, local_heads)
-        out = attend(*call_args, **call_kwargs)  # [B, H/U, S_real, D]
-        if real is not None:
-            full = out.new_zeros(out.shape[0], out.shape[1], qkv.shape[3], out.shape[3])
-            full.index_copy_(2, real, out)
-            out = full
+            real = real.to(q.device)
+
+        def attend_heads(q2, k2, v2):
+            if real is not None:
+                q2, k2, v2 = (t.index_select(2, real) for t in (q2, k2, v2))
+            call_args, call_kwargs = _call_args(args, kwargs, q2, k2, v2, q2.shape[1])
+            out = attend(*call_args, **call_kwargs)  # [B, heads, S_real, D]
+            if real is not None:
+                full = out.new_zeros(out.shape[0], out.shape[1], U * layout.chunk, out.shape[3])
+                full.index_copy_(2, real, out)
+                out = full
+            return out
+
+        chunks = chunk_count(heads // U, sp.ulysses_chunks) if U > 1 else 1
+        if chunks > 1:
+            out = ulysses_pipelined(qkv, U, sp.ulysses_group, chunks, attend_heads)
+            return from_bhsd(layout.strip_local(out, 2), bool(kwargs.get("skip_output_reshape", False)))
+        if U > 1:
+            qkv = scatter_heads(qkv, U, sp.ulysses_group)
+        out = attend_heads(*qkv.unbind(0))
     else:
+        if U > 1:
+            qkv = scatter_heads(qkv, U, sp.ulysses_group)
         q2, k2, v2 = qkv.unbind(0)
         mine = layout.gathered(block_ranks(sp.ring_rank)) if layout.local is not None else None
         if mine is not None:  # weighted split: only this rank's real queries (its share of the work)

@@ -14,8 +14,11 @@ the staged path on the CPU and compare it with the direct one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
+import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,47 @@ def staged(group, tensor: torch.Tensor) -> bool:
     if staging_forced():
         return True
     return tensor.device.type != "cpu" and backend_of(group) == "gloo"
+
+
+# ---------------------------------------------------------------- exposed communication
+class CommClock:
+    """Time this process spends blocked in communication: in a collective call and in waiting for
+    transfers in flight; what overlaps computation is not counted (bench/profile_step.py reads it).
+    On CPU ranks (gloo) a call returns when it is done; with NCCL a call only queues its work on
+    the device, so on CUDA this counts host-side waits only."""
+
+    def __init__(self):
+        self.enabled = False
+        self.seconds = 0.0
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """Counts from zero while the block runs; yields the block's own tally, set at its end."""
+        self.enabled, self.seconds, self.calls = True, 0.0, 0
+        tally = types.SimpleNamespace(seconds=0.0, calls=0)
+        try:
+            yield tally
+        finally:
+            self.enabled = False
+            tally.seconds, tally.calls = self.seconds, self.calls
+
+
+CLOCK = CommClock()
+
+
+def _blocking(fn):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        if not CLOCK.enabled:
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            CLOCK.seconds += time.perf_counter() - start
+            CLOCK.calls += 1
+    return timed
 
 
 # ---------------------------------------------------------------- host buffers
@@ -100,6 +144,7 @@ def _empty_host(like: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- collectives
+@_blocking
 def broadcast(t: torch.Tensor, src: int, group=None) -> None:
     if not staged(group, t):
         dist.broadcast(t, src=src, group=group)
@@ -109,6 +154,7 @@ def broadcast(t: torch.Tensor, src: int, group=None) -> None:
     _from_host(t, host)
 
 
+@_blocking
 def all_reduce(t: torch.Tensor, group=None) -> None:
     if not staged(group, t):
         dist.all_reduce(t, group=group)
@@ -118,6 +164,7 @@ def all_reduce(t: torch.Tensor, group=None) -> None:
     _from_host(t, host)
 
 
+@_blocking
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     if not staged(group, inp):
         dist.all_to_all_single(out, inp, group=group)
@@ -128,11 +175,22 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     _from_host(out, host_out)
 
 
+def all_to_all_async(out: torch.Tensor, inp: torch.Tensor, group=None) -> "Pending":
+    """``all_to_all_single`` in flight: ``wait()`` on the result completes it (NCCL runs it on its
+    own stream, gloo on its own thread, while this thread computes)."""
+    if not staged(group, inp):
+        return Pending([dist.all_to_all_single(out, inp, group=group, async_op=True)])
+    host_in, host_out = _to_host(inp), _empty_host(out)
+    work = dist.all_to_all_single(host_out, host_in, group=group, async_op=True)
+    return Pending([work], copies=[(out, host_out)], buffers=[host_in])
+
+
 def _all_gather_native(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.14
     fn(out, inp, group=group)
 
 
+@_blocking
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     """``out`` (dim 0 = group size x ``inp``'s) receives every rank's ``inp`` in rank order."""
     if not staged(group, inp):
@@ -144,6 +202,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     _from_host(out, host_out)
 
 
+@_blocking
 def gather(t: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, group=None) -> None:
     """``dst`` (a global rank) receives every rank's ``t`` into ``gather_list``."""
     if not staged(group, t):
@@ -157,6 +216,7 @@ def gather(t: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, gr
         _from_host(g, h)
 
 
+@_blocking
 def scatter(t: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, group=None) -> None:
     """Every rank receives its entry of ``src``'s ``scatter_list`` into ``t``."""
     if not staged(group, t):
@@ -179,6 +239,7 @@ class Pending:
         self._copies = copies      # (destination, host buffer) of staged receives
         self._buffers = buffers    # host buffers of staged sends
 
+    @_blocking
     def wait(self) -> None:
         for req in self._requests:
             req.wait()

@@ -17,11 +17,12 @@ from .plans import ModelPlan, context_parallel
 from .tensor_parallel import tensor_parallel
 
 
-def sequence_parallel(mesh: ProcessMesh) -> SequenceParallel:
+def sequence_parallel(mesh: ProcessMesh, ulysses_chunks: int = 1) -> SequenceParallel:
     return SequenceParallel(
         ulysses_group=mesh.group("ulysses"), ulysses_size=mesh.size("ulysses"),
         ulysses_rank=mesh.local_rank("ulysses"),
-        ring_group=mesh.group("ring"), ring_size=mesh.size("ring"), ring_rank=mesh.local_rank("ring"))
+        ring_group=mesh.group("ring"), ring_size=mesh.size("ring"), ring_rank=mesh.local_rank("ring"),
+        ulysses_chunks=ulysses_chunks)
 
 
 def group_weights(mesh: ProcessMesh, dim: str, weights: tuple[float, ...] | None) -> tuple[float, ...] | None:
@@ -34,10 +35,12 @@ def group_weights(mesh: ProcessMesh, dim: str, weights: tuple[float, ...] | None
 
 def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
                 args: tuple, kwargs: dict, *, distributed_attention: bool = True,
-                compile: CompileSettings | None = None, weights: tuple[float, ...] | None = None):
+                compile: CompileSettings | None = None, weights: tuple[float, ...] | None = None,
+                ulysses_chunks: int = 1):
     """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has);
     ``compile``: the plan's blocks run compiled (compile_regions); ``weights``: relative speed
-    per global rank, for a weighted token split or VAE bands (None or all equal: the even split)."""
+    per global rank, for a weighted token split or VAE bands (None or all equal: the even split);
+    ``ulysses_chunks``: head groups of a pure Ulysses exchange that overlap the attention."""
     if plan.kind == "vae":  # every rank decodes (or encodes) a band of rows; see vae_parallel
         from .vae_parallel import run_vae
 
@@ -52,7 +55,7 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
     split = cfg_parallel.plan_split(batch, mesh.size("cfg"), mesh.local_rank("cfg"))
     cfg_parallel.split_bound(bound, split)
     with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")), \
-            context_parallel(module, plan, bound, sp=sequence_parallel(mesh), sp_group=mesh.group("sp"),
+            context_parallel(module, plan, bound, sp=sequence_parallel(mesh, ulysses_chunks), sp_group=mesh.group("sp"),
                              distributed_attention=distributed_attention, weights=group_weights(mesh, "sp", weights)), \
             compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)):
         out = call(*bound.args, **bound.kwargs)

@@ -238,7 +238,7 @@ class _Server:
         self.meshes[layout.sizes] = ProcessMesh(layout, self.rank)
 
     def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None,
-                   layout=None, weights=()) -> None:
+                   layout=None, weights=(), ulysses_chunks: int = 1) -> None:
         import torch
 
         from parallel_runtime import compile_regions, protocol
@@ -257,7 +257,8 @@ class _Server:
         with torch.inference_mode(), compile_regions.watched(compile, (key, repr(mesh.layout.sizes)), meta):
             with _slowed(module, plan, self.rank):
                 run_sharded(module, plan, mesh, method, method, args, kwargs,
-                            distributed_attention=distributed_attention, compile=compile, weights=weights)
+                            distributed_attention=distributed_attention, compile=compile, weights=weights,
+                            ulysses_chunks=ulysses_chunks)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels
         row = self.status_table[self.rank]

@@ -63,6 +63,17 @@ BACKEND_TIMEOUT_S = COLLECTIVE_TIMEOUT_S + 60
 SHUTDOWN_GRACE_S = 15.0  # for workers to unmap their weights and exit when told to
 STATUS_FIELDS = protocol.STATUS_FIELDS
 PROBE_ENV = "PARALLEL_PROBE"  # "0": no link and compute probe at world start (unless layout is auto)
+# Pure Ulysses exchanges the heads in this many groups, each group's all-to-all overlapping the
+# attention of the others (read on rank 0 at every forward; 1, the default: one exchange).
+ULYSSES_CHUNKS_ENV = "PARALLEL_ULYSSES_CHUNKS"
+
+
+def ulysses_chunks_setting() -> int:
+    raw = os.environ.get(ULYSSES_CHUNKS_ENV, "1").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ULYSSES_CHUNKS_ENV}={raw!r}: give a whole number of head groups, 1 or more "
+                         "(1: one all-to-all per attention, no overlap)")
+    return int(raw)
 
 
 def mirrored_comfy_args(device_type: str) -> dict:
@@ -461,7 +472,7 @@ class World:
     # ---------------------------------------------------------------- forward
     def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
                 distributed_attention: bool = True, compile=None, layout: MeshLayout | None = None,
-                weights: tuple[float, ...] | None = None):
+                weights: tuple[float, ...] | None = None, ulysses_chunks: int | None = None):
         """Run ``method(*args, **kwargs)`` of ``module`` on every rank, context-parallel.
 
         ``method`` is rank 0's bound callable (it may be a wrapper chain ending in a
@@ -471,11 +482,13 @@ class World:
         once. ``compile`` (compile_regions.CompileSettings): every rank runs the plan's blocks compiled.
         ``layout``: the ranks' layout for this model (same world size; default: the config's).
         ``weights``: relative speed per rank for the token split (default: the config's, or what
-        layout auto measured; () for an even split).
+        layout auto measured; () for an even split). ``ulysses_chunks``: head groups of a pure
+        Ulysses exchange that overlap the attention (default: PARALLEL_ULYSSES_CHUNKS, else 1).
         """
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
         t0 = time.perf_counter()
+        chunks = ulysses_chunks if ulysses_chunks is not None else ulysses_chunks_setting()
         plan = plan.for_module(module)
         method_name = _method_name(method)
         bound = inspect.signature(_method_of(module, method_name)).bind(*args, **kwargs)
@@ -513,7 +526,7 @@ class World:
             with self._threads(), self.watchdog.guard("forward", COLLECTIVE_TIMEOUT_S):
                 for w in self.workers:
                     w.conn.send(("forward", key, method_name, spec, meta, distributed_attention, compile,
-                                 list(layout.sizes), weights))
+                                 list(layout.sizes), weights, chunks))
                 t_sent = time.perf_counter()
                 protocol.broadcast_tensors(tensors, meta, self.device)
                 t_broadcast = time.perf_counter()
@@ -527,7 +540,7 @@ class World:
                 with compile_regions.watched(compile, (key, repr(layout.sizes)), meta):
                     out = run_sharded(run_module, plan, mesh, call, _method_of(run_module, method_name),
                                       bound.args, bound.kwargs, distributed_attention=distributed_attention,
-                                      compile=compile, weights=weights)
+                                      compile=compile, weights=weights, ulysses_chunks=chunks)
                 synchronize(self.device)  # a step's time, not the time to queue its kernels
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
             self.forwards += 1

@@ -54,3 +54,18 @@ def test_comparison_takes_medians_over_rounds_and_skips_failed_ones():
     assert rows["peer A"][4] == f"{1.8 / 1.6:.3f}"
     table = plots.table(records)
     assert "failed: SIGABRT" in table and table.count("flux_ulysses2 (round") == 3
+
+
+def test_profile_script_measures_the_overlap_of_head_groups():
+    """bench/profile_step.py --overlap: the step and rank 0's wait for communication, one Ulysses
+    exchange against head groups, in one world."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "profile_step.py"), "--scenario", "flux_small_ulysses2",
+                             "--overlap", "2", "--rounds", "2"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = {n: line for n in (1, 2) for line in result.stdout.splitlines()
+             if line.strip().startswith(f"Ulysses exchange in {n} head group")}
+    waited = {n: float(line.split("|")[1]) for n, line in lines.items()}
+    steps = {n: float(line.split(":")[1].split("|")[0]) for n, line in lines.items()}
+    print("\n" + result.stdout.strip())
+    assert set(waited) == {1, 2} and all(v > 0 for v in waited.values()) and all(v > 0 for v in steps.values())
+    assert "communication waited for" in result.stdout
