@@ -1,12 +1,14 @@
-"""``layout: auto``: the layout each model runs in, chosen at its first forward.
+"""``layout: auto``: the layout each model runs in, chosen per size of its input.
 
-At a model's first forward rank 0 runs the model alone through the first block of each block
-stack (Flux: the double blocks and one single block; Wan: one block) to read the shape of the
-run: the token streams, the batch, the width, the matmuls a block makes. With those and the
-probe's figures,
+At a model's first forward with inputs of a size (a new resolution, frame count or batch)
+rank 0 runs the model alone through the first block of each block stack (Flux: the double
+blocks and one single block; Wan: one block) to read the shape of the run: the token streams,
+the batch, the width, the matmuls a block makes. With those and the probe's figures,
 ``cost_model`` predicts every layout of the world's ranks; layouts the model cannot run
 (heads that do not divide, a cfg dimension with nothing to split, weights that do not fit) are
-refused with the reason, and the fastest of the rest is kept for that model.
+refused with the reason, and the fastest of the rest is kept for that model and size, unless
+the layout the model last ran in is within ``KEEP_MARGIN`` of it (a layout of another
+tensor-parallel size means sending the weights again).
 """
 from __future__ import annotations
 
@@ -206,6 +208,9 @@ def refusal(module, plan: ModelPlan, sizes: dict[str, int], shape: cost_model.Mo
 
 # Ranks whose measured matmul speeds differ by more than this get a weighted token split.
 UNEVEN_SPEEDS = 1.1
+# A model keeps the layout it last ran in for a new input size when that layout is predicted at
+# most this much slower than the best: switching may re-send the weights (another TP size).
+KEEP_MARGIN = 0.05
 
 
 @dataclass
@@ -246,6 +251,34 @@ def choose(module, plan: ModelPlan, shape: cost_model.ModelShape, probe: dict, c
     return runnable, refused
 
 
+def keep_or_best(runnable: list[cost_model.Prediction], current: dict[str, int] | None) -> cost_model.Prediction:
+    """The fastest prediction, or the one of the ``current`` layout where it is within KEEP_MARGIN."""
+    best = runnable[0]
+    kept = next((p for p in runnable if p.sizes == current), None)
+    if kept is not None and kept.step_s <= best.step_s * (1 + KEEP_MARGIN):
+        return kept
+    return best
+
+
+def input_sizes(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a call's tensors (not its transformer options): a choice holds for one size."""
+    sizes = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            sizes.append(tuple(value.shape))
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if k != "transformer_options":
+                    walk(v)
+    walk(args)
+    walk(kwargs)
+    return tuple(sizes)
+
+
 def _dtype_of(shape: cost_model.ModelShape) -> torch.dtype:
     return {2: torch.bfloat16, 8: torch.float64}.get(shape.element_bytes, torch.float32)
 
@@ -255,18 +288,26 @@ class AutoLayouts:
 
     def __init__(self, world):
         self._world = weakref.ref(world)
-        self._chosen: "weakref.WeakKeyDictionary[torch.nn.Module, Choice]" = weakref.WeakKeyDictionary()
+        # per model: input sizes -> the choice for them
+        self._chosen: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Choice]]" = weakref.WeakKeyDictionary()
+        self._current: "weakref.WeakKeyDictionary[torch.nn.Module, Choice]" = weakref.WeakKeyDictionary()
         self._last_measured: tuple[float, ...] = ()  # the speeds the latest choice measured
 
     def layout_for(self, module, plan: ModelPlan, method, args: tuple, kwargs: dict) -> MeshLayout:
-        found = self._chosen.get(module)
+        per_size = self._chosen.get(module)
+        if per_size is None:
+            per_size = self._chosen[module] = {}
+        key = input_sizes(args, kwargs)
+        found = per_size.get(key)
         if found is None:
-            found = self._choose(module, plan, method, args, kwargs)
-            self._chosen[module] = found
+            current = self._current.get(module)
+            found = per_size[key] = self._choose(module, plan, method, args, kwargs,
+                                                 current.chosen.sizes if current is not None else None)
             self._last_measured = found.weights
+        self._current[module] = found
         return MeshLayout.from_sizes(found.chosen.sizes)
 
-    def _choose(self, module, plan, method, args, kwargs) -> Choice:
+    def _choose(self, module, plan, method, args, kwargs, current: dict[str, int] | None) -> Choice:
         world = self._world()
         started = time.perf_counter()
         with world._threads():
@@ -286,22 +327,27 @@ class AutoLayouts:
         if not runnable:
             raise RuntimeError(f"layout auto: no layout of {world.world_size} ranks can run this {plan.title} "
                                "model: " + "; ".join(f"{k}: {v}" for k, v in refused.items()))
-        choice = Choice(f"{type(module).__name__}", shape, runnable[0], runnable, refused,
+        chosen = keep_or_best(runnable, current)
+        choice = Choice(f"{type(module).__name__}", shape, chosen, runnable, refused,
                         time.perf_counter() - started, weights)
         if weights:
             log.info("layout auto: the ranks' speeds differ (%s): tokens split in proportion",
                      ", ".join(f"{w:.2f}" for w in weights))
-        alternatives = ", ".join(f"{describe_sizes(p.sizes)} {p.step_s * 1e3:.0f} ms" for p in runnable[1:4])
-        log.info("layout auto: %s with %d tokens, batch %d runs as %s (predicted %.0f ms a step; then %s)",
-                 plan.title, shape.tokens, shape.batch, describe_sizes(choice.chosen.sizes),
-                 choice.chosen.step_s * 1e3, alternatives or "no other layout")
+        alternatives = ", ".join(f"{describe_sizes(p.sizes)} {p.step_s * 1e3:.0f} ms"
+                                 for p in [p for p in runnable if p is not chosen][:3])
+        kept = f" (kept from its last run: {describe_sizes(runnable[0].sizes)} is predicted only " \
+               f"{(1 - runnable[0].step_s / chosen.step_s) * 100:.0f} % faster)" if chosen is not runnable[0] else ""
+        log.info("layout auto: %s with %d tokens, batch %d runs as %s%s (predicted %.0f ms a step; then %s)",
+                 plan.title, shape.tokens, shape.batch, describe_sizes(chosen.sizes), kept,
+                 chosen.step_s * 1e3, alternatives or "no other layout")
         return choice
 
     def weights_for(self, module) -> tuple[float, ...]:
         """The speeds measured for this model; for a model auto does not lay out (a VAE's bands),
         those of the latest model it did (() until then: even bands)."""
-        found = self._chosen.get(module)
+        found = self._current.get(module)
         return found.weights if found is not None else self._last_measured
 
     def status(self) -> list[dict]:
-        return [c.as_dict() for c in list(self._chosen.values())]
+        """Every choice made, per model and input size."""
+        return [c.as_dict() for per_size in list(self._chosen.values()) for c in per_size.values()]

@@ -1,9 +1,10 @@
 """Which models the ranks of a world hold, and getting the weights there.
 
 A model reaches the workers once per *version*: ComfyUI's patch set and lowvram state
-(``comfy_weights.WeightSource.version``) in this world's layout. A LoRA strength change gives
-a new version and a re-send; the same prompt again sends nothing. When ComfyUI unloads the
-model, ``release`` frees it on every rank.
+(``comfy_weights.WeightSource.version``), cut for the layout's tensor-parallel size (layouts that
+differ only in their context-parallel dimensions share it). A LoRA strength change gives a new
+version and a re-send; the same prompt again sends nothing. When ComfyUI unloads the model,
+``release`` frees it on every rank.
 
 How the weights travel (``choose_transport``):
 
@@ -103,7 +104,12 @@ class ModelCopies:
         world = self.world
         layout = layout or world.layout
         self.drop_dead()
-        version = (layout.sizes, source.version() if source is not None else ("as given",))
+        tp_dim = "world" if plan.kind == "encoder" else "tp"  # text encoders: sliced over every rank
+        tp = (world.world_size if tp_dim == "world" else layout.size("tp")) if plan.tensor_parallel is not None else 1
+        # What each rank holds depends on the layout through its tensor-parallel slice only (tp is
+        # the innermost dimension: rank r holds slice r % tp in every layout): layouts that differ
+        # in their context-parallel dimensions alone share the weights sent once.
+        version = (tp, source.version() if source is not None else ("as given",))
         found = self._copies.get(module)
         if found is not None and found.version == version:
             return found.key, found.run_module or module
@@ -115,8 +121,6 @@ class ModelCopies:
             self._copies.pop(module, None)  # rank 0's old shard goes before the new one is cut
             found.run_module = None
         started = time.perf_counter()
-        tp_dim = "world" if plan.kind == "encoder" else "tp"  # text encoders: sliced over every rank
-        tp = (world.world_size if tp_dim == "world" else layout.size("tp")) if plan.tensor_parallel is not None else 1
         coords = [r if tp_dim == "world" else layout.coords(r)["tp"] for r in range(world.world_size)]
         if self.transport == "shared":
             run_module = self._send_shared(module, plan, source, key, tp, coords)

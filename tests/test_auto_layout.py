@@ -197,3 +197,57 @@ def test_every_family_under_layout_auto_equals_one_process(runtime):
     chosen = world.status()["layouts"]
     assert checked >= 5 and len(chosen) == checked
     assert all(c["layout"]["cfg"] == 1 or c["batch"] % c["layout"]["cfg"] == 0 for c in chosen)
+
+
+def _prediction(step_ms: float, **sizes) -> cost_model.Prediction:
+    full = {"cfg": 1, "ring": 1, "ulysses": 1, "tp": 1, **sizes}
+    return cost_model.Prediction(full, step_ms / 1e3, step_ms / 1e3, 0.0, 0, 0)
+
+
+def test_a_model_keeps_its_layout_for_a_new_size_unless_another_is_clearly_faster():
+    best, ring, tp = _prediction(100, ulysses=2), _prediction(104, ring=2), _prediction(110, tp=2)
+    runnable = [best, ring, tp]
+    assert auto_layout.keep_or_best(runnable, None) is best
+    assert auto_layout.keep_or_best(runnable, ring.sizes) is ring  # within 5 %: no switch
+    assert auto_layout.keep_or_best(runnable, tp.sizes) is best  # 10 % slower: switch
+    assert auto_layout.keep_or_best(runnable, _prediction(1, cfg=2).sizes) is best  # refused now: switch
+
+
+def test_the_choice_is_per_input_size():
+    x, t, ctx = torch.zeros(1, 16, 3, 10, 14), torch.zeros(1), torch.zeros(1, 7, 64)
+    options = {"transformer_options": {"sigmas": torch.zeros(5)}}
+    assert auto_layout.input_sizes((x, t, ctx), options) == ((1, 16, 3, 10, 14), (1,), (1, 7, 64))
+    assert auto_layout.input_sizes((x, t), {"context": [ctx]}) == ((1, 16, 3, 10, 14), (1,), (1, 7, 64))
+
+
+@pytest.mark.multirank
+def test_a_new_resolution_is_chosen_for_and_layouts_share_the_weights_sent(runtime, wan):
+    """A model run at two sizes gets a choice for each (the second measured at its own size), the
+    first size again chooses nothing new; and context-parallel layouts of one model share the
+    weights the ranks hold (only another TP size sends them again)."""
+    from parallel_runtime.mesh import MeshLayout
+
+    model, inputs = wan
+    plan = find_plan(model)
+    world = runtime.world_for(build_config(devices="cpu,cpu", layout="auto", host=CPU))
+    small = inputs(1)
+    large = (torch.randn(1, 16, 5, 20, 28, generator=torch.Generator().manual_seed(9)), *small[1:])
+    for args in (small, large, small):
+        with torch.inference_mode():
+            ref = model._forward(*args, transformer_options={})
+            out = world.forward(model, plan, model._forward, args, {"transformer_options": {}})
+        assert (out - ref).abs().max().item() <= TOL
+    choices = [c for c in world.status()["layouts"] if c["model"] == type(model).__name__]
+    assert sorted(c["tokens"] for c in choices) == [3 * 5 * 7, 5 * 10 * 14]  # one per size, patches of 1x2x2
+    sends = world.copies.sends
+    args = small
+    for sizes in ({"ulysses": 2}, {"ring": 2}, {"ulysses": 2}, {"tp": 2}, {"ring": 2}):
+        with torch.inference_mode():
+            ref = model._forward(*args, transformer_options={})
+            out = world.forward(model, plan, model._forward, args, {"transformer_options": {}},
+                                layout=MeshLayout.from_sizes(sizes))
+        assert (out - ref).abs().max().item() <= 1e-4
+    # Ulysses 2 and Ring 2 hold the same weights as auto's choice for the small size if it has no
+    # TP (else the first one sends them); TP 2 sends its slices, and Ring 2 after it the whole model.
+    (small_choice,) = [c for c in choices if c["tokens"] == 3 * 5 * 7]
+    assert world.copies.sends - sends == (1 if small_choice["layout"]["tp"] > 1 else 0) + 2
