@@ -174,7 +174,7 @@ class CompileWatch:
     compiled during a forward whose inputs had the same shapes as an earlier one: the first step
     of a prompt may compile, later steps and later prompts of that size must not), and
     ``compiling`` while it happens (the first compiled step is slow; the status route says why).
-    ``cache_hits`` / ``cache_misses``: graphs inductor loaded from its on-disk cache / built, which
+    ``cache_counts()``: graphs inductor loaded from its on-disk cache and graphs it built, which
     tell whether fresh workers (after a restart, a new config) reuse what earlier ones compiled."""
 
     def __init__(self):
