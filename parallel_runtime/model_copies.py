@@ -194,6 +194,7 @@ class ModelCopies:
             form = packed_weights.stream_form(t, cuts.get(id(t)), tp, self._packed_patches(source, name, t), dtype)
             if form is not None:
                 forms[id(t)] = form
+                cuts.update(form.patch_cuts or {})  # the stream cuts a cut layer's LoRA tensors alike
         data, tensors, packed, parts = transport.pack_skeleton(
             module, module_state=comfy_weights.worker_module_state, forms=forms)
         entries = []

@@ -13,10 +13,11 @@ What the ranks do with such a tensor:
   F16 / F32 tensors are patched like ordinary ones (ComfyUI-GGUF merges their patches).
 - cut by TP: the stored data is cut, never dequantized, where the cut falls on the format's
   block boundaries: along output features (whole rows) always, along input features when every
-  rank's part is a whole number of blocks. Otherwise (and for a layer that carries LoRA
-  patches, which are made for the whole weight) rank 0 dequantizes and patches the layer as
-  its forward would and cuts that: exact, but that layer is no longer quantized on the ranks.
-  ``cut_or_dequantize`` logs each such layer once.
+  rank's part is a whole number of blocks. Its LoRA patches are cut alike (``patch_cuts``), so
+  each rank patches its own slice when it dequantizes. Otherwise (a cut off the blocks, patches
+  that cannot be cut) rank 0 dequantizes and patches the layer as its forward would and cuts
+  that: exact, but that layer is no longer quantized on the ranks. ``cut_or_dequantize`` logs
+  each such layer once.
 
 Everything here works on what a tensor *is*, by duck typing: this pack never imports ComfyUI-GGUF.
 """
@@ -26,6 +27,8 @@ import logging
 from dataclasses import dataclass, replace
 
 import torch
+
+from .patch_cuts import PatchCut, cut_patches
 
 log = logging.getLogger("parallel")
 
@@ -115,22 +118,29 @@ def _cut_dim(cut) -> int | None:
 
 def why_dequantized(cut, w: torch.Tensor, size: int) -> str | None:
     """Why TP cannot cut ``w`` as stored for ``size`` ranks (None: it can)."""
+    return _cut_as_stored(cut, w, size)[0]
+
+
+def _cut_as_stored(cut, w: torch.Tensor, size: int) -> tuple[str | None, PatchCut | None]:
+    """(why TP cannot cut ``w`` as stored, None where it can; its patches cut alike, if any)."""
     pack = packing(w)
     if pack is None:
-        return None
-    if has_patches(w):  # also unquantized GGUF tensors: their patches too are applied by the layer
-        return "it carries LoRA / weight patches, which are made for the whole weight"
-    if not pack.quantized:
-        return None
-    if _cut_dim(cut) != len(w.tensor_shape) - 1:
-        return None  # whole rows: whole blocks whatever the cut
-    if not pack.block:
-        return f"this gguf package does not know {pack.name}'s block size"
-    parts = [s // size for s in cut.sizes]
-    if any(p % pack.block for p in parts):
-        return (f"{size} ranks' parts of its input features ({', '.join(map(str, parts))} per segment) are not "
-                f"whole {pack.name} blocks of {pack.block}")
-    return None
+        return None, None
+    if not pack.quantized:  # an F16 / F32 tensor: its layer merges the patches; TP cuts the merged weight
+        return ("it carries LoRA / weight patches, which its layer merges" if has_patches(w) else None), None
+    if _cut_dim(cut) == len(w.tensor_shape) - 1:  # input features: whole blocks per rank?
+        if not pack.block:
+            return f"this gguf package does not know {pack.name}'s block size", None
+        parts = [s // size for s in cut.sizes]
+        if any(p % pack.block for p in parts):
+            return (f"{size} ranks' parts of its input features ({', '.join(map(str, parts))} per segment) are "
+                    f"not whole {pack.name} blocks of {pack.block}"), None
+    if not has_patches(w):
+        return None, None
+    patches = cut_patches(w.patches, cut, size)
+    if isinstance(patches, str):
+        return f"its LoRA / weight patches cannot be cut: {patches}", None
+    return None, patches
 
 
 def stored_cut(cut, t: torch.Tensor):
@@ -147,9 +157,10 @@ def cut_or_dequantize(cut, w: torch.Tensor, rank: int, size: int, dequantize) ->
     ``dequantize(w)`` (the layer's own dequantization, patches applied) is cut."""
     if packing(w) is None:
         return cut.apply(w, rank, size)
-    reason = why_dequantized(cut, w, size)
+    reason, patches = _cut_as_stored(cut, w, size)
     if reason is None:
-        return repack(w, stored_cut(cut, w).apply(stored(w), rank, size))
+        return repack(w, stored_cut(cut, w).apply(stored(w), rank, size),
+                      patches.for_rank(rank, size) if patches is not None else None)
     _note_dequantized(cut.what, packing(w).name, reason)
     return cut.apply(dequantize(w), rank, size)
 
@@ -187,22 +198,27 @@ def stored_nbytes(cut, t: torch.Tensor, size: int, dequantized_itemsize: int = 4
 @dataclass(frozen=True)
 class StreamForm:
     """How a packed tensor travels in a weight stream: its stored data (with ``patches``, cut by
-    ``cut`` or whole), or dequantized in ``dtype`` (``stored`` False) and cut like any tensor."""
+    ``cut`` or whole), or dequantized in ``dtype`` (``stored`` False) and cut like any tensor.
+    ``patch_cuts``: id(tensor) -> how the stream cuts each tensor of the patches of a cut one."""
 
     stored: bool
     patches: tuple = ()
     dtype: torch.dtype | None = None
+    patch_cuts: dict | None = None
 
 
 def stream_form(t: torch.Tensor, cut, size: int, patches: list, dtype) -> StreamForm | None:
     """None for an ordinary tensor, and for an unquantized GGUF one (it travels as what it is, its
-    patches merged like any tensor's). A cut tensor travels stored without patches, or dequantized."""
+    patches merged like any tensor's). A cut tensor travels stored with its patches cut alike, or
+    dequantized."""
     if packing(t) is None or not packing(t).quantized:
         return None
     if cut is None:
         return StreamForm(True, tuple(patches))
-    reason = why_dequantized(cut, with_patches(t, patches) if patches else t, size)
+    reason, cut_ones = _cut_as_stored(cut, with_patches(t, patches) if patches else t, size)
     if reason is None:
-        return StreamForm(True)
+        if cut_ones is None:
+            return StreamForm(True)
+        return StreamForm(True, tuple(cut_ones.patches), patch_cuts=cut_ones.cuts)
     _note_dequantized(cut.what, packing(t).name, reason)
     return StreamForm(False, tuple(patches), dtype)

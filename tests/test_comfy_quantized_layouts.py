@@ -164,19 +164,23 @@ def tensor_bytes(server, model: str, form: str) -> int:
 
 @pytest.mark.parametrize("tp,limit", [(2, 0.52), (4, 0.27)])
 def test_tp_ranks_hold_their_share_of_the_quantized_bytes(gguf_server, tp, limit):
-    """Without LoRA every planned layer is cut as stored: each rank holds its share of the file
-    (a layer dequantized on the way would hold 2-4 times its stored bytes). Q8_0 (blocks of 32),
-    Q4_K (super-blocks of 256, the coarsest: Q5_K cuts alike) and scaled fp8 (one byte a value)."""
+    """Every planned layer is cut as stored, with the LoRAs before and after the node on and off:
+    each rank holds its share of the file (a layer dequantized on the way would hold 2-4 times
+    its stored bytes; the GGUF layers carry their LoRA patches cut alike and apply them when they
+    dequantize). Q8_0 (blocks of 32), Q4_K (super-blocks of 256, the coarsest: Q5_K cuts alike)
+    and scaled fp8 (one byte a value; ComfyUI merges the LoRAs into it)."""
     shares = {}
     for qtype in ("Q8_0", "Q4_K", FP8):
-        prompt = quantized_prompt("wan", qtype, {"tp_size": tp, "devices": ",".join(["cpu"] * tp)})
-        for node in ("2", "5"):
-            prompt[node]["inputs"]["strength_model"] = 0.0  # no patches: nothing is dequantized
-        gguf_server.run(prompt, timeout=300)
-        ranks = status(gguf_server)["ranks"]
-        whole = tensor_bytes(gguf_server, "wan", qtype)
-        shares[qtype] = [r["param_bytes"] / whole for r in ranks]
-        assert len(ranks) == tp and min(shares[qtype]) > 0
+        for lora in ("off", "on"):
+            prompt = quantized_prompt("wan", qtype, {"tp_size": tp, "devices": ",".join(["cpu"] * tp)})
+            if lora == "off":
+                for node in ("2", "5"):
+                    prompt[node]["inputs"]["strength_model"] = 0.0
+            gguf_server.run(prompt, timeout=300)
+            ranks = status(gguf_server)["ranks"]
+            whole = tensor_bytes(gguf_server, "wan", qtype)
+            shares[(qtype, lora)] = [r["param_bytes"] / whole for r in ranks]
+            assert len(ranks) == tp and min(shares[(qtype, lora)]) > 0
     print(f"\nTP {tp}: quantized bytes per rank / the file's tensor bytes: "
-          + ", ".join(f"{q} {max(s):.3f}" for q, s in shares.items()))
+          + ", ".join(f"{q} LoRA {lora} {max(s):.3f}" for (q, lora), s in shares.items()))
     assert max(max(s) for s in shares.values()) <= limit, shares

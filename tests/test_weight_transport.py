@@ -153,14 +153,15 @@ def gguf_wan(gguf_nodes, seed: int):
     return model, patches
 
 
-# Each layout on one channel here, on the other in the quantized-layout test below.
-STREAM_CASES = [("process_group", dict(tp_size=2)), ("handles", dict(ulysses_size=2))]
+# Each layout on one channel here, on the other in the quantized-layout test below; TP through
+# shared memory (CPU ranks' own transport) as well.
+STREAM_CASES = [("process_group", dict(tp_size=2)), ("handles", dict(ulysses_size=2)), ("shared", dict(tp_size=2))]
 
 
-@pytest.mark.parametrize("transport,sizes", STREAM_CASES, ids=["tp2-process_group", "ulysses2-handles"])
+@pytest.mark.parametrize("transport,sizes", STREAM_CASES, ids=["tp2-process_group", "ulysses2-handles", "tp2-shared"])
 def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_nodes, transport, sizes):
     """The accelerator weight stream with GGUF tensors: stored blocks travel (and TP cuts them) as
-    raw bytes, the patched layer travels with its patch (CP) or dequantized and cut (TP)."""
+    raw bytes, the patched layer travels with its patch (CP) or with its patch cut alike (TP)."""
     model, patches = gguf_wan(gguf_nodes, seed=7)
     args = wan_inputs(seed=2)
     ref = reference(model, args)
@@ -170,10 +171,13 @@ def test_gguf_blocks_over_the_weight_stream(comfyui_path, monkeypatch, gguf_node
         err = (out - ref).abs().max().item()
         print(f"\nGGUF Q8_0 Wan, {sizes} by {transport}: max abs err {err:.2e}")
         assert err <= 1e-4
-        if "tp_size" in sizes:  # rank 0's own shard: blocks cut as stored, the patched layer dequantized
+        if "tp_size" in sizes:  # rank 0's own shard: blocks cut as stored, the patched layer too
             shard = world.copies.run_module(model).blocks[0]
             assert type(shard.self_attn.q.weight).__name__ == "GGMLTensor" and shard.self_attn.q.weight.shape[0] == 256
-            assert type(shard.self_attn.o.weight).__name__ != "GGMLTensor"
+            o = shard.self_attn.o.weight  # row-parallel: half the input features, Q8_0 blocks and all
+            assert type(o).__name__ == "GGMLTensor" and tuple(o.tensor_shape) == (512, 256)
+            (patch_list, key), = o.patches
+            assert key == "blocks.0.self_attn.o.weight" and patch_list[0][1][1][0].shape == (512, 256)
     finally:
         world.shutdown("test done")
 
