@@ -93,6 +93,8 @@ def _cut_patch(patch, cut, size: int, cuts: dict):
     if isinstance(tensors, str):
         return tensors
     for t in tensors:
+        if cuts.get(id(t), target) != target:  # one tensor in two patches, cut two ways: not one slice
+            return "a patch tensor shared by patches that cut it differently"
         cuts[id(t)] = target
     return (strength, adapter, strength_model, offset, function)
 

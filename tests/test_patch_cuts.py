@@ -81,3 +81,11 @@ def test_patches_that_cannot_be_cut_are_named():
     assert "DoRA" in reasons["DoRA"] and "function" in reasons["function"]
     assert "not whole segments" in reasons["offset"] and "'set'" in reasons["set"]
     assert "does not apply" in cut_patches([([cases["set"]], KEY)], Cut("kv", "rows", kv=(4, 2, 16)), 2)
+    # One adapter at q and at k (each one segment of 64: its up is cut the same way for both) is
+    # fine; one at two places whose segments differ (64 + 64 against one of 128) cannot be one slice.
+    shared = lora(64, 96)
+    check_every_rank(torch.randn(192, 96), [(1.0, shared, 1.0, (0, 0, 64), None), (0.5, shared, 1.0, (0, 64, 64), None)],
+                     cut, 2)
+    wide = lora(128, 96)
+    twice = [(1.0, wide, 1.0, (0, 0, 128), None), (1.0, wide, 1.0, (0, 128, 128), None)]
+    assert "shared" in cut_patches([(twice, KEY)], Cut("linear1", "segments", 0, (64, 64, 128)), 2)
