@@ -22,10 +22,56 @@ LAYOUTS = ("manual", "auto")
 IMPLEMENTED_DIMS = ("cfg", "ring", "ulysses", "tp")
 
 NODE = "Parallel Config"
+SIZE_MAX = 1024  # the node's widgets stop here; a larger world is refused for its devices anyway
 
 
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the message names node, value and valid choices."""
+@dataclass(frozen=True)
+class ConfigInput:
+    """One input of the Parallel Config node."""
+
+    name: str
+    kind: str                        # "int" (a mesh size), "string" or "choice"
+    default: object
+    tooltip: str
+    optional: bool = False
+    choices: tuple[str, ...] = ()
+
+
+# The Parallel Config inputs, in the node's order: the one list that the node's schema, its
+# validation and execute, the /parallel/validate route (hence the canvas) and Shard VAE read.
+# A new input is added here (optional, with a default) and in build_config; nothing else lists them.
+CONFIG_INPUTS = (
+    ConfigInput("ulysses_size", "int", 1, "Context parallelism by heads (Ulysses): ranks that split the tokens "
+                "and exchange attention heads. Must divide the model's attention head count."),
+    ConfigInput("ring_size", "int", 1, "Context parallelism by key/value blocks passed around a ring "
+                "(Ring attention)."),
+    ConfigInput("tp_size", "int", 1, "Tensor parallelism: ranks that split each layer's weights."),
+    ConfigInput("cfg_size", "int", 1, "2 runs the conditional and unconditional passes on different ranks "
+                "(needs CFG above 1)."),
+    ConfigInput("devices", "string", "auto", "'auto' (ComfyUI's device type, as many as the world size), 'cpu', "
+                "or one device per rank: '0,1,2,3', 'cuda:0,cuda:1', 'cpu,cpu'. The first device is ComfyUI's own."),
+    ConfigInput("backend", "choice", "auto", "auto: NCCL on CUDA devices, gloo on the CPU.", choices=BACKENDS),
+    ConfigInput("hosts", "string", "", "Several machines: ranks per host in rank order, this one first, e.g. "
+                "'local:2,gpu-b:2' ('devices' then lists this machine's ranks). Every other host runs "
+                "tools/remote_worker.sh. Empty: one machine.", optional=True),
+    ConfigInput("rendezvous", "string", "", "With several hosts: this machine's address and a free port that the "
+                "other hosts can reach, e.g. '10.0.0.1:29600'.", optional=True),
+    ConfigInput("layout", "choice", "manual", "manual: the sizes above are the layout. auto: they (or the devices "
+                "list, or every GPU) only give the number of ranks, and each model runs in the layout a measured "
+                "cost model predicts fastest for its size, chosen at its first step (shown in the Parallel tab "
+                "and the log).", optional=True, choices=LAYOUTS),
+    ConfigInput("weights", "string", "", "Ranks of different speed: one relative speed per rank, e.g. '1,0.5' for "
+                "a second GPU half as fast. Context parallelism then gives each rank a share of the tokens in "
+                "proportion (still exact). Empty: an even split.", optional=True),
+)
+
+
+def world_size_of(sizes) -> int:
+    """The world size: the product of the mesh sizes (the one place it is multiplied out)."""
+    world = 1
+    for value in sizes:
+        world *= value
+    return world
 
 
 @dataclass(frozen=True)
@@ -64,7 +110,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.cfg_size * self.ring_size * self.ulysses_size * self.tp_size
+        return world_size_of(self.mesh_sizes.values())
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
@@ -274,9 +320,7 @@ def parse_rendezvous(spec: str, node: str = NODE) -> str:
 def auto_world_size(sizes: dict[str, int], parsed_devices, host: HostDevices, node: str = NODE) -> int:
     """layout auto: the number of ranks is the product of the sizes when it is above 1, else one
     rank per listed device, else every GPU of this machine."""
-    product = 1
-    for value in sizes.values():
-        product *= value
+    product = world_size_of(sizes.values())
     if product > 1:
         return product
     if isinstance(parsed_devices, list):
@@ -317,9 +361,9 @@ def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices=
         if n < 2:
             raise _fail("layout", "auto", f"it needs at least 2 ranks and this gives {n}; list more devices or "
                         "use a size above 1", node)
-        if n != cfg_size * ring_size * ulysses_size * tp_size:  # start as Ring over every rank: any model fits
+        if n != world_size_of(sizes.values()):  # start as Ring over every rank: any model fits
             cfg_size, ring_size, ulysses_size, tp_size = 1, n, 1, 1
-    world_size = cfg_size * ring_size * ulysses_size * tp_size
+    world_size = world_size_of((cfg_size, ring_size, ulysses_size, tp_size))
     host_list = parse_hosts(hosts, world_size, tp_size, node)
     local_ranks = host_list[0][1] if host_list else world_size
     resolved = resolve_devices(parse_devices(devices, node, share=host.share_devices), local_ranks, host, node)
@@ -335,3 +379,36 @@ def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices=
                           devices=resolved, backend=resolve_backend(backend, device_type, node, host.nccl, shared),
                           devices_spec=str(devices), hosts=host_list, rendezvous=address, layout=layout,
                           weights=parse_weights(weights, world_size, node))
+
+
+def read_inputs(values) -> dict | None:
+    """Every Parallel Config input from a node's, a prompt's or the canvas's values: a missing
+    one at its default, a size given as text or an integral float as an int, unknown names
+    ignored. None where an input comes from another node (None at validation, a link in a
+    prompt): the node checks it when it runs."""
+    inputs = {}
+    for spec in CONFIG_INPUTS:
+        value = values.get(spec.name, spec.default)
+        if value is None or isinstance(value, (list, tuple)):
+            return None
+        if spec.kind == "int":
+            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+                value = int(value)
+            elif isinstance(value, float) and value.is_integer():
+                value = int(value)
+            # anything else stays as it is: validate_sizes refuses it, naming the input
+        else:
+            value = str(value)
+        inputs[spec.name] = value
+    return inputs
+
+
+def config_from_inputs(values, host: HostDevices, node: str = NODE) -> ParallelConfig | None:
+    """The config Parallel Config makes of these input values (None: an input is linked; see
+    read_inputs). The node, the route and Shard VAE all build it here."""
+    inputs = read_inputs(values)
+    return None if inputs is None else build_config(**inputs, host=host, node=node)
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message names node, value and valid choices."""

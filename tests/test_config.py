@@ -135,3 +135,65 @@ def test_hosts_place_ranks_in_order_and_keep_tp_inside_a_host():
     assert "world size of 2" in refused(ulysses_size=2, hosts="local:1,b:2", rendezvous="10.0.0.1:1")
     assert "rendezvous=" in refused(ulysses_size=2, hosts="local:1,b:1")
     assert "'name:ranks'" in refused(ulysses_size=2, hosts="local,b:1", rendezvous="10.0.0.1:1")
+
+
+# One list of the Parallel Config inputs (config.CONFIG_INPUTS) and one world-size formula.
+
+def test_build_config_takes_exactly_the_listed_inputs():
+    import inspect
+
+    from parallel_runtime.config import CONFIG_INPUTS
+
+    params = [p for p in inspect.signature(build_config).parameters if p not in ("host", "node")]
+    assert sorted(params) == sorted(spec.name for spec in CONFIG_INPUTS)
+
+
+def test_read_inputs_fills_defaults_ignores_unknown_names_and_leaves_links_to_the_run():
+    from parallel_runtime.config import CONFIG_INPUTS, config_from_inputs, read_inputs
+
+    assert read_inputs({}) == {spec.name: spec.default for spec in CONFIG_INPUTS}
+    inputs = read_inputs({"ulysses_size": "2", "ring_size": 2.0, "control_after_generate": "fixed"})
+    assert inputs["ulysses_size"] == 2 and inputs["ring_size"] == 2 and "control_after_generate" not in inputs
+    assert read_inputs({"ulysses_size": None}) is None          # linked, while ComfyUI validates
+    assert read_inputs({"weights": ["5", 0]}) is None           # linked, in a prompt
+    assert config_from_inputs({"layout": "auto", "devices": "cpu,cpu"}, CPU2).world_size == 2
+    msg = refused(ulysses_size=2.5)
+    assert "ulysses_size=2.5" in msg and "whole numbers" in msg
+
+
+def test_the_world_size_is_the_product_of_the_sizes_or_the_auto_rank_count():
+    from parallel_runtime.config import world_size_of
+
+    assert world_size_of([2, 1, 3, 2]) == 12
+    assert build_config(cfg_size=2, ulysses_size=2, tp_size=2, devices=",".join(["cpu"] * 8), host=CPU2).world_size == 8
+    auto = build_config(layout="auto", devices="cpu,cpu,cpu", host=CPU2)
+    assert auto.world_size == 3 and auto.ring_size == 3
+
+
+def test_no_other_module_lists_the_size_inputs():
+    """The nodes, the runtime and the canvas read CONFIG_INPUTS; none spells the inputs out."""
+    import re
+
+    from conftest import REPO
+
+    pattern = re.compile(r"""["'](ulysses|ring|tp|cfg)_size["']""")
+    files = [*REPO.glob("nodes/*.py"), *REPO.glob("parallel_runtime/**/*.py"), *REPO.glob("web/*.js")]
+    found = [f"{path.relative_to(REPO)}: {line.strip()}" for path in files if path.name != "config.py"
+             for line in path.read_text().splitlines() if pattern.search(line)]
+    assert not found, found
+
+
+def test_the_readme_table_lists_every_input_with_its_default():
+    import re
+
+    from conftest import REPO
+    from parallel_runtime.config import CONFIG_INPUTS
+
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("**Parallel Config** (`ParallelConfig`"):]
+    table = table[table.index("\n|"):]
+    rows = re.findall(r"^\| `(\w+)`( \(optional\))? \| ([^|]+) \|", table[:table.index("\n\n")], re.M)
+    assert [name for name, _, _ in rows] == [spec.name for spec in CONFIG_INPUTS]
+    for (name, optional, default), spec in zip(rows, CONFIG_INPUTS):
+        shown = "empty" if spec.default == "" else str(spec.default) if spec.kind == "int" else f"`{spec.default}`"
+        assert (default.strip(), bool(optional)) == (shown, spec.optional), name
