@@ -13,12 +13,14 @@ the staged path on the CPU and compare it with the direct one.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
 import threading
 import time
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -98,31 +100,134 @@ def _blocking(fn):
 
 
 # ---------------------------------------------------------------- host buffers
+HOST_CAP_ENV = "PARALLEL_HOST_BUFFER_CAP_MB"  # what the pool keeps between collectives (default 256)
+FAKE_PIN_ENV = "PARALLEL_TEST_FAKE_PIN"       # "1": CPU tensors' buffers go through the pin function (tests)
+
+
+def pin_host(nbytes: int) -> torch.Tensor:
+    """A page-locked host buffer (torch's pinned allocator)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def plain_host(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 class _HostBuffers:
-    """Reusable host buffers, pinned when an accelerator is there (pinning costs milliseconds
-    per allocation; the same sizes recur every layer)."""
+    """Reusable host buffers for staged collectives, pinned when the tensor lives on an accelerator
+    (pinning costs milliseconds per allocation; the same sizes recur every layer).
+
+    Bounded: the pool keeps at most ``cap_bytes`` of free buffers (``PARALLEL_HOST_BUFFER_CAP_MB``,
+    default 256 MiB) and ``KEEP_PER_SIZE`` per size, evicting the sizes released longest ago; a
+    buffer larger than the cap is never kept. A weight send stages 64 MiB buckets of ever-different
+    sizes, so ``clear()`` follows every send and a world's shutdown: what stays pinned is a
+    forward's working set, not a model's worth of buckets.
+
+    ``pinned_bytes``: buffers allocated through ``pin`` that are still alive (kept or in use); the
+    pool counts them itself (torch's pinned allocator rounds each block up to a power of two and
+    caches freed blocks: ``clear()`` and evictions hand those back to the driver too).
+    ``pin`` is replaceable and ``pin_cpu`` sends CPU tensors' buffers through it: how the tests
+    run the pinned branch where nothing can be pinned (``PARALLEL_TEST_FAKE_PIN=1`` in workers)."""
 
     KEEP_PER_SIZE = 4
+    DEFAULT_CAP_BYTES = 256 * 2**20
 
-    def __init__(self):
-        self._free: dict[int, list[torch.Tensor]] = {}
+    def __init__(self, cap_bytes: int | None = None, pin=None, pin_cpu: bool | None = None):
+        if cap_bytes is None:
+            try:
+                cap_bytes = int(float(os.environ[HOST_CAP_ENV]) * 2**20)
+            except (KeyError, ValueError):
+                cap_bytes = self.DEFAULT_CAP_BYTES
+        fake = os.environ.get(FAKE_PIN_ENV, "") not in ("", "0")
+        self.cap_bytes = cap_bytes
+        self.pin = pin or (plain_host if fake else pin_host)
+        self.pin_cpu = fake if pin_cpu is None else pin_cpu
+        # size -> free buffers of that size; order: the size released longest ago first (evicted first)
+        self._free: collections.OrderedDict[int, list[torch.Tensor]] = collections.OrderedDict()
+        self._kept_bytes = 0
+        self._pinned_bytes = 0
+        self.pinned_total = 0  # bytes ever allocated through ``pin`` (tests: the pinned branch ran)
         self._lock = threading.Lock()
+
+    # -------------------------------------------------------- figures
+    @property
+    def kept_bytes(self) -> int:
+        return self._kept_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned_bytes
+
+    def stats(self) -> dict:
+        return {"host_pinned_bytes": self._pinned_bytes, "host_kept_bytes": self._kept_bytes}
+
+    # -------------------------------------------------------- use
+    def pins(self, like: torch.Tensor) -> bool:
+        return like.device.type == "cuda" or self.pin_cpu
 
     def acquire(self, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()
         with self._lock:
             pool = self._free.get(nbytes)
             raw = pool.pop() if pool else None
+            if raw is not None:
+                self._kept_bytes -= nbytes
+                if not pool:
+                    del self._free[nbytes]
         if raw is None:
-            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=like.device.type == "cuda")
+            raw = self._allocate(nbytes) if self.pins(like) else plain_host(nbytes)
         return raw.view(like.dtype).view(like.shape)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        raw = self.pin(nbytes)
+        with self._lock:
+            self._pinned_bytes += nbytes
+            self.pinned_total += nbytes
+        # Counted until the memory itself is freed, whoever drops the last reference.
+        weakref.finalize(raw.untyped_storage(), self._unpinned, nbytes)
+        return raw
+
+    def _unpinned(self, nbytes: int) -> None:
+        with self._lock:
+            self._pinned_bytes -= nbytes
 
     def release(self, buf: torch.Tensor) -> None:
         raw = buf.reshape(-1).view(torch.uint8)
+        nbytes = raw.numel()
+        evicted = []
         with self._lock:
-            pool = self._free.setdefault(raw.numel(), [])
-            if len(pool) < self.KEEP_PER_SIZE:
-                pool.append(raw)
+            if nbytes > self.cap_bytes:
+                return  # never kept: dropped here
+            pool = self._free.setdefault(nbytes, [])
+            if len(pool) >= self.KEEP_PER_SIZE:
+                return
+            pool.append(raw)
+            self._free.move_to_end(nbytes)
+            self._kept_bytes += nbytes
+            while self._kept_bytes > self.cap_bytes:
+                size, oldest = next(iter(self._free.items()))
+                evicted.append(oldest.pop(0))
+                self._kept_bytes -= size
+                if not oldest:
+                    del self._free[size]
+        if evicted:
+            del evicted
+            self._return_pinned()
+
+    def clear(self) -> None:
+        """Drop every kept buffer and give the pinned pages back (after a weight send, at shutdown)."""
+        with self._lock:
+            dropped = self._free
+            self._free = collections.OrderedDict()
+            self._kept_bytes = 0
+        del dropped
+        self._return_pinned()
+
+    def _return_pinned(self) -> None:
+        """torch's pinned allocator keeps freed blocks for reuse: hand them back to the driver."""
+        if self.pin is pin_host and torch.cuda.is_initialized():
+            empty = getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache
+            empty()
 
 
 HOST = _HostBuffers()
