@@ -15,31 +15,26 @@ from .runtime import RUNTIME
 
 STATUS_ROUTE = "/parallel/status"
 VALIDATE_ROUTE = "/parallel/validate"
-SIZE_INPUTS = ("ulysses_size", "ring_size", "tp_size", "cfg_size")
 
 
 def validate(values: dict, host) -> dict:
-    """{ok, world_size, devices, message} for Parallel Config inputs."""
-    from .config import ConfigError, build_config
+    """{ok, world_size, devices, message} for Parallel Config inputs: the config the node would
+    build of the same values (``config.config_from_inputs``), so the canvas refuses exactly what
+    the node refuses, with the same message. Every input of ``config.CONFIG_INPUTS`` counts
+    (missing ones at their defaults); a null value is an input linked from another node."""
+    from .config import CONFIG_INPUTS, ConfigError, config_from_inputs, read_inputs, world_size_of
 
-    inputs = {}
-    for name in SIZE_INPUTS:
-        try:
-            inputs[name] = int(values.get(name, 1))
-        except (TypeError, ValueError):
-            return {"ok": False, "world_size": None, "message": f"Parallel Config: {name}={values.get(name)!r} is not "
-                                                                 "a whole number"}
-    inputs["devices"] = str(values.get("devices", "auto"))
-    inputs["backend"] = str(values.get("backend", "auto"))
-    inputs["hosts"] = str(values.get("hosts") or "")
-    inputs["rendezvous"] = str(values.get("rendezvous") or "")
     try:
-        config = build_config(**inputs, host=host)
+        config = config_from_inputs(values, host)
     except ConfigError as exc:
-        world = 1
-        for name in SIZE_INPUTS:
-            world *= max(inputs[name], 0)
-        return {"ok": False, "world_size": world, "message": str(exc)}
+        inputs = read_inputs(values)
+        sizes = [inputs[spec.name] for spec in CONFIG_INPUTS if spec.kind == "int"]
+        valid = all(isinstance(v, int) and not isinstance(v, bool) for v in sizes)
+        return {"ok": False, "world_size": world_size_of(max(v, 0) for v in sizes) if valid else None,
+                "message": str(exc)}
+    if config is None:
+        return {"ok": True, "world_size": None,
+                "message": "an input comes from another node: checked when the prompt runs"}
     return {"ok": True, "world_size": config.world_size, "devices": list(config.devices), "backend": config.backend,
             "message": f"world size {config.world_size}: {config.describe()}"}
 

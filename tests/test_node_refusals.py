@@ -94,3 +94,63 @@ def test_quantized_weights_are_cut_for_tp_and_a_cut_that_cannot_be_exact_is_refu
         PACK.nodes.ShardTransformerNode.execute(fake_model(dm), config(tp_size=2))
     assert no_world_started()
     assert PACK.nodes.shard_transformer.check_model(dm, config(ulysses_size=2)).family == "wan"
+
+# The canvas (POST /parallel/validate) and the node read one list of inputs and build the config
+# one way: for a bad value of every input, both refuse with the same message.
+BAD_VALUE_OF = {
+    "ulysses_size": dict(ulysses_size=0),
+    "ring_size": dict(ring_size="two"),
+    "tp_size": dict(tp_size=-1),
+    "cfg_size": dict(cfg_size=0, devices="cpu,cpu"),
+    "devices": dict(ulysses_size=2, devices="gpu"),
+    "backend": dict(ulysses_size=2, devices="cpu,cpu", backend="nccl"),
+    "hosts": dict(ulysses_size=2, devices="cpu", hosts="local:1,gpu-b:2"),
+    "rendezvous": dict(ulysses_size=2, devices="cpu", hosts="local:1,gpu-b:1", rendezvous="nowhere"),
+    "layout": dict(ulysses_size=2, devices="cpu,cpu", layout="sideways"),
+    "weights": dict(ulysses_size=2, devices="cpu,cpu", weights="1,0.5,0.25"),
+}
+
+
+def canvas_check(values: dict) -> dict:
+    """What the canvas shows for these values: the route's answer, on the node's own host."""
+    import importlib
+
+    routes = importlib.import_module("hybrid_parallel_pack.parallel_runtime.routes")
+    return routes.validate(dict(values), PACK.nodes.host.host_devices())
+
+
+def test_every_parallel_config_input_has_a_refusal_case():
+    assert set(BAD_VALUE_OF) == {spec.name for spec in config_mod.CONFIG_INPUTS}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VALUE_OF))
+def test_the_canvas_refuses_what_the_node_refuses_with_the_same_message(name):
+    values = BAD_VALUE_OF[name]
+    message = PACK.nodes.ParallelConfigNode.validate_inputs(**values)
+    assert isinstance(message, str) and message.startswith(f"Parallel Config: {name}="), message
+    answer = canvas_check(values)
+    assert (answer["ok"], answer["message"]) == (False, message)
+    with pytest.raises(ConfigError) as info:
+        PACK.nodes.ParallelConfigNode.execute(**values)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("values", [
+    dict(ulysses_size=2, devices="cpu,cpu", weights="1,0.5"),
+    dict(layout="auto", devices="cpu,cpu"),
+    dict(ulysses_size=2, devices="cpu,cpu", layout="manual", hosts="", rendezvous=""),
+])
+def test_the_canvas_accepts_what_the_node_accepts_with_its_world_size(values):
+    assert PACK.nodes.ParallelConfigNode.validate_inputs(**values) is True
+    answer = canvas_check(values)
+    assert (answer["ok"], answer["world_size"]) == (True, 2), answer["message"]
+    config = PACK.nodes.ParallelConfigNode.execute(**values).args[0]
+    assert config.world_size == 2 and answer["message"] == f"world size 2: {config.describe()}"
+
+
+def test_a_linked_input_is_left_to_the_run_by_node_and_canvas_alike():
+    # ComfyUI passes None for an input fed by another node while it validates; the canvas sends null.
+    assert PACK.nodes.ParallelConfigNode.validate_inputs(ulysses_size=None, devices="gpu") is True
+    answer = canvas_check(dict(ulysses_size=None, devices="gpu"))
+    assert answer["ok"] is True and answer["world_size"] is None
+

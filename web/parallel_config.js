@@ -1,16 +1,26 @@
 // Parallel Config on the canvas: the resulting world size, and any problem with the inputs,
 // shown on the node itself while it is edited (before the prompt is queued). The check is the
-// server's own (POST /parallel/validate), so the node and the runtime never disagree.
+// server's own (POST /parallel/validate builds the config the node would, of the same values),
+// and the canvas sends every input the node has, by name: no list of inputs here to drift from
+// the node's (parallel_runtime/config.py CONFIG_INPUTS is the one list).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const INPUTS = ["ulysses_size", "ring_size", "tp_size", "cfg_size", "devices", "backend", "hosts", "rendezvous"];
+const OWN_WIDGET = "validation"; // the message box below, not an input
+
+function isInput(widget) {
+  return widget.name && widget.name !== OWN_WIDGET && widget.options?.serialize !== false &&
+    widget.serialize !== false;
+}
 
 function inputValues(node) {
   const values = {};
-  for (const name of INPUTS) {
-    const widget = node.widgets?.find((w) => w.name === name);
-    if (widget) values[name] = widget.value;
+  for (const widget of node.widgets ?? []) {
+    if (!isInput(widget)) continue;
+    // An input fed by a link: its value is only known when the prompt runs (null, as the node
+    // sees it while the prompt is validated).
+    const slot = node.inputs?.find((input) => input.name === widget.name || input.widget?.name === widget.name);
+    values[widget.name] = slot?.link != null ? null : widget.value;
   }
   return values;
 }
@@ -54,7 +64,7 @@ app.registerExtension({
       this.__parallelMessage = box;
       this.addDOMWidget?.("validation", "parallel_validation", box, { serialize: false });
       for (const widget of this.widgets ?? []) {
-        if (!INPUTS.includes(widget.name)) continue;
+        if (!isInput(widget)) continue;
         const callback = widget.callback;
         const node = this;
         widget.callback = function () {
@@ -65,6 +75,14 @@ app.registerExtension({
         };
       }
       setTimeout(() => validate(this), 0);
+    };
+
+    const onConnectionsChange = nodeType.prototype.onConnectionsChange;
+    nodeType.prototype.onConnectionsChange = function () {
+      const out = onConnectionsChange?.apply(this, arguments);
+      clearTimeout(this.__parallelTimer);
+      this.__parallelTimer = setTimeout(() => validate(this), 150); // an input linked or unlinked
+      return out;
     };
 
     const onConfigure = nodeType.prototype.onConfigure;
