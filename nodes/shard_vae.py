@@ -13,20 +13,20 @@ from comfy_api.latest import io
 
 from ..parallel_runtime.comfy_patcher import Sharding, sharded_patcher
 from ..parallel_runtime.comfy_wrappers import ShardedFirstStage
-from ..parallel_runtime.config import ConfigError, ParallelConfig
+from ..parallel_runtime.config import ConfigError, HostDevices, ParallelConfig, config_from_inputs
 from ..parallel_runtime.runtime import RUNTIME
 from ..parallel_runtime.vae_parallel import check_vae
+from .host import host_devices
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard VAE"
 
 
-SIZES = ("ulysses_size", "ring_size", "tp_size", "cfg_size")
-
-
-def transformer_world_sizes(prompt: dict | None) -> set[int]:
+def transformer_world_sizes(prompt: dict | None, host: HostDevices) -> set[int]:
     """World sizes of the Parallel Configs that feed Shard Transformer nodes in this prompt
-    (checked before anything runs: the VAE decodes after sampling, on the ranks still up)."""
+    (checked before anything runs: the VAE decodes after sampling, on the ranks still up).
+    Each is the config Parallel Config builds of its inputs (layout auto included), so its world
+    size is the node's own; a config with linked or refused inputs is left to that node."""
     sizes = set()
     for node in (prompt or {}).values():
         if node.get("class_type") != "ShardTransformer":
@@ -35,13 +35,23 @@ def transformer_world_sizes(prompt: dict | None) -> set[int]:
         config = prompt.get(str(link[0])) if isinstance(link, list) else None
         if not config or config.get("class_type") != "ParallelConfig":
             continue
-        values = [config["inputs"].get(k, 1) for k in SIZES]
-        if all(isinstance(v, int) for v in values):
-            world = 1
-            for v in values:
-                world *= v
-            sizes.add(world)
+        try:
+            built = config_from_inputs(config.get("inputs", {}), host)
+        except ConfigError:
+            continue  # Parallel Config refuses it itself, with its own message
+        if built is not None:
+            sizes.add(built.world_size)
     return sizes
+
+
+def check_same_world(parallel_config: ParallelConfig, prompt: dict | None, host: HostDevices) -> None:
+    """Refuses a Parallel Config whose world size differs from Shard Transformer's in this prompt."""
+    others = transformer_world_sizes(prompt, host)
+    if others and parallel_config.world_size not in others:
+        raise ConfigError(f"{NODE}: its Parallel Config makes a world of size {parallel_config.world_size}, the "
+                          f"Shard Transformer of this workflow one of size {', '.join(map(str, sorted(others)))}: "
+                          "every change of world size restarts all ranks (and reloads the transformer); give "
+                          "Shard VAE the same Parallel Config as Shard Transformer")
 
 
 class ShardVAENode(io.ComfyNode):
@@ -67,12 +77,7 @@ class ShardVAENode(io.ComfyNode):
             plan = check_vae(vae.first_stage_model)
         except ValueError as exc:
             raise ConfigError(f"{NODE}: {exc}") from exc
-        others = transformer_world_sizes(cls.hidden.prompt)
-        if others and parallel_config.world_size not in others:
-            raise ConfigError(f"{NODE}: its Parallel Config makes a world of size {parallel_config.world_size}, the "
-                              f"Shard Transformer of this workflow one of size {', '.join(map(str, sorted(others)))}: "
-                              "every change of world size restarts all ranks (and reloads the transformer); give "
-                              "Shard VAE the same Parallel Config as Shard Transformer")
+        check_same_world(parallel_config, cls.hidden.prompt, host_devices())
         if parallel_config.world_size == 1:
             return io.NodeOutput(vae)
         import comfy.model_management

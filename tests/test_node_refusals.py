@@ -154,3 +154,48 @@ def test_a_linked_input_is_left_to_the_run_by_node_and_canvas_alike():
     answer = canvas_check(dict(ulysses_size=None, devices="gpu"))
     assert answer["ok"] is True and answer["world_size"] is None
 
+
+def shard_vae_prompt(config_inputs: dict) -> dict:
+    """Shard Transformer and Shard VAE fed by one Parallel Config (API format)."""
+    return {
+        "1": {"class_type": "ParallelConfig", "inputs": config_inputs},
+        "2": {"class_type": "ShardTransformer", "inputs": {"model": ["9", 0], "parallel_config": ["1", 0]}},
+        "3": {"class_type": "ShardVAE", "inputs": {"vae": ["8", 0], "parallel_config": ["1", 0]}},
+    }
+
+
+def run_shard_vae(monkeypatch, parallel_config, prompt):
+    """Shard VAE's execute with this prompt as its hidden input, on a tiny real VAE; the sharded
+    wrapper and patcher are stubs (nothing starts)."""
+    from vae_cases import VAES
+
+    shard_vae = PACK.nodes.shard_vae
+    monkeypatch.setattr(shard_vae, "sharded_patcher", lambda patcher, sharding: ("patcher", patcher))
+    monkeypatch.setattr(shard_vae, "ShardedFirstStage", lambda module, config, family: ("sharded", config))
+    module = VAES["kl_sd"]()[0]
+    vae = types.SimpleNamespace(first_stage_model=module, patcher="vae patcher")
+
+    class WithPrompt(PACK.nodes.ShardVAENode):
+        hidden = types.SimpleNamespace(prompt=prompt)
+
+    return WithPrompt.execute(vae, parallel_config).args[0]
+
+
+def test_shard_vae_takes_the_transformer_world_size_from_the_config_builder(monkeypatch):
+    # layout auto, sizes 1, two devices: one Parallel Config of world size 2 for both nodes.
+    inputs = dict(ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices="cpu,cpu", backend="auto",
+                  layout="auto")
+    shared = config(**{k: v for k, v in inputs.items()})
+    assert shared.world_size == 2
+    sharded = run_shard_vae(monkeypatch, shared, shard_vae_prompt(inputs))
+    assert sharded.first_stage_model == ("sharded", shared) and sharded.patcher == ("patcher", "vae patcher")
+    assert no_world_started()
+
+
+def test_shard_vae_refuses_a_world_size_other_than_the_transformers(monkeypatch):
+    inputs = dict(ulysses_size=1, devices="cpu,cpu", backend="auto", layout="auto")
+    with pytest.raises(ConfigError) as info:
+        run_shard_vae(monkeypatch, config(ring_size=3, devices="cpu,cpu,cpu"), shard_vae_prompt(inputs))
+    message = str(info.value)
+    assert message.startswith("Shard VAE: ") and "size 3" in message and "one of size 2" in message
+    assert no_world_started()
