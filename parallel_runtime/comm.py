@@ -85,14 +85,83 @@ class CommClock:
 CLOCK = CommClock()
 
 
+class _Progress:
+    """How many collectives (and weight buckets) this process completed: the watchdog's proof that
+    the world is moving. A worker publishes its count in the shared status table; rank 0 reads
+    its own here. Only ever grows (a plain int: one writer per process, readers tolerate a stale value)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def tick(self) -> None:
+        self.count += 1
+
+
+PROGRESS = _Progress()
+
+# ---------------------------------------------------------------- aborts
+# The watchdog (watchdog.py) is the only caller of ``abort_collectives``. With NCCL it aborts the
+# communicators: a collective blocked on a dead peer then returns (or raises) with outputs no rank
+# wrote. PARALLEL_TEST_NCCL_ABORT=1 makes gloo collectives on rank 0 behave that way on the CPU: a
+# failing collective waits for the abort, as an NCCL kernel waits for its dead peer, then returns
+# as if it had completed, and every later one returns at once. Tests use it to check that nothing
+# computed after an abort ever reaches ComfyUI.
+FAKE_ABORT_ENV = "PARALLEL_TEST_NCCL_ABORT"
+_aborted = threading.Event()
+
+
+def _fake_abort() -> bool:
+    return os.environ.get(FAKE_ABORT_ENV, "") not in ("", "0")
+
+
+def abort_collectives(backend: str) -> None:
+    """Unblock this process's collectives for good (the world is being torn down)."""
+    _aborted.set()
+    if backend == "nccl":
+        dist.distributed_c10d._abort_process_group()
+
+
+def synchronize(device) -> None:
+    """Wait for the work queued on ``device`` (a no-op off CUDA)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_abort() -> None:
+    """A new world: collectives run again."""
+    _aborted.clear()
+
+
+def aborted() -> bool:
+    return _aborted.is_set()
+
+
+def _guarded_call(fn, args, kwargs):
+    if not _fake_abort():
+        return fn(*args, **kwargs)
+    if _aborted.is_set():
+        return None  # an aborted communicator's operation: nothing is written
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        if not _aborted.wait(30):  # NCCL would block here until the watchdog aborts
+            raise
+        return None
+
+
 def _blocking(fn):
     @functools.wraps(fn)
     def timed(*args, **kwargs):
         if not CLOCK.enabled:
-            return fn(*args, **kwargs)
+            out = _guarded_call(fn, args, kwargs)
+            PROGRESS.tick()
+            return out
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            out = _guarded_call(fn, args, kwargs)
+            PROGRESS.tick()
+            return out
         finally:
             CLOCK.seconds += time.perf_counter() - start
             CLOCK.calls += 1

@@ -75,15 +75,21 @@ class MeshLayout:
 
 
 class ProcessMesh:
-    """Process groups along each mesh dimension, for this rank."""
+    """Process groups along each mesh dimension, for this rank.
 
-    def __init__(self, layout: MeshLayout, rank: int):
+    ``known`` (rank set -> group) is shared by every mesh of one world: a rank set that two
+    dimensions (``ulysses`` and ``sp`` when ring is 1) or two layouts have in common gets one
+    communicator, not one each (an NCCL communicator costs device memory and set-up time). Every
+    rank builds its meshes in the same order, so every rank skips the same ``new_group`` calls."""
+
+    def __init__(self, layout: MeshLayout, rank: int, known: dict | None = None):
         import torch.distributed as dist
 
         self.layout = layout
         self.rank = rank
         self._groups = {}
         self._ranks = {}
+        known = {} if known is None else known
         for dim in (*MESH_DIMS, *COMPOSITE_DIMS):
             all_groups = layout.groups(dim)
             mine = None
@@ -93,7 +99,9 @@ class ProcessMesh:
                 if len(ranks) == layout.world_size:
                     group = dist.group.WORLD
                 else:
-                    group = dist.new_group(ranks)  # collective over all ranks: same order everywhere
+                    group = known.get(tuple(ranks))
+                    if group is None:  # collective over all ranks: same order everywhere
+                        group = known[tuple(ranks)] = dist.new_group(ranks)
                 if rank in ranks:
                     mine = group
             self._groups[dim] = mine

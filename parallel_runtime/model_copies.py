@@ -12,7 +12,12 @@ How the weights travel (``choose_transport``):
 - ``process_group``: accelerators with NCCL, and ranks on other hosts: a skeleton plus a
   bucketed byte stream from rank 0's device memory (``weight_stream``).
 - ``handles``: accelerators on one host without NCCL (several ranks sharing a GPU through
-  gloo): the same stream, each bucket handed over by CUDA IPC.
+  gloo): the same stream, each bucket handed over by CUDA IPC. Only where rank 0's allocator
+  can export IPC handles: ComfyUI's ``cuda_malloc.py`` switches most NVIDIA setups to PyTorch's
+  ``cudaMallocAsync`` backend (workers inherit it), which cannot ("cudaMallocAsync does not yet
+  support shareIpcHandle"). So the allocator backend is read and a one-bucket trial export is
+  made first; where either says no, the stream goes through the process group (gloo stages it
+  through host memory) and the status route says why (``transport_reason``).
 
 With tensor parallelism rank 0 cuts every rank's slices from each weight in turn and keeps
 only its own; workers receive only theirs.
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import comfy_quantized, comfy_weights, packed_weights, transport, weight_stream
+from . import comfy_quantized, comfy_weights, comm, packed_weights, transport, weight_stream
 from .plans import ModelPlan, check_plan_matches
 from .tensor_parallel import build_shard, cut_plan, finish_shard, named_tensors
 
@@ -39,7 +44,44 @@ TRANSPORT_ENV = "PARALLEL_WEIGHT_TRANSPORT"  # expert / test override: shared, p
 TRANSPORTS = ("shared", "process_group", "handles")
 
 
-def choose_transport(config) -> str:
+def allocator_backend() -> str:
+    """PyTorch's CUDA allocator backend in this process ("native" or "cudaMallocAsync"); the
+    workers inherit the setting (PYTORCH_CUDA_ALLOC_CONF) from rank 0."""
+    try:
+        return str(torch.cuda.get_allocator_backend())
+    except Exception:  # no CUDA in this build: read the setting as PyTorch would
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+        return "cudaMallocAsync" if "backend:cudamallocasync" in conf.replace(" ", "").lower() else "native"
+
+
+def trial_export(device) -> str | None:
+    """Export one small bucket's CUDA IPC handle as the handle channel would: None if it works,
+    else what went wrong."""
+    try:
+        bucket = torch.empty(weight_stream.TRIAL_BUCKET_BYTES, dtype=torch.uint8, device=device)
+        bucket.untyped_storage()._share_cuda_()
+        return None
+    except Exception as exc:  # RuntimeError from the allocator, or no CUDA at all
+        return f"{type(exc).__name__}: {exc}".strip()
+
+
+def handles_refusal(device) -> str | None:
+    """Why CUDA IPC handles cannot carry the weights from rank 0's ``device``, or None."""
+    if not sys.platform.startswith("linux"):
+        return "CUDA IPC handles between processes need Linux"
+    backend = allocator_backend()
+    if backend != "native":
+        return (f"PyTorch's {backend} allocator cannot export CUDA IPC handles (ComfyUI selects it unless started "
+                "with --disable-cuda-malloc)")
+    failed = trial_export(device)
+    if failed is not None:
+        return f"a trial export of a CUDA IPC handle failed ({failed})"
+    return None
+
+
+def choose_transport(config, device=None) -> tuple[str, str]:
+    """(transport, why) for a world of ``config`` whose rank 0 computes on ``device``."""
+    device = device if device is not None else torch.device(config.devices[0])
     forced = os.environ.get(TRANSPORT_ENV, "").strip().lower()
     if forced:
         if forced not in TRANSPORTS:
@@ -48,14 +90,22 @@ def choose_transport(config) -> str:
             raise ValueError(f"{TRANSPORT_ENV}=shared needs CPU ranks on one host")
         if forced == "handles" and config.multi_host:
             raise ValueError(f"{TRANSPORT_ENV}=handles needs every rank on one host")
-        return forced
+        if forced == "handles" and config.device_type != "cpu":
+            refusal = handles_refusal(device)
+            if refusal is not None:
+                raise ValueError(f"{TRANSPORT_ENV}=handles cannot work here: {refusal}")
+        return forced, f"{TRANSPORT_ENV}={forced}"
     if config.multi_host:
-        return "process_group"
+        return "process_group", "ranks on several hosts"
     if config.device_type == "cpu":
-        return "shared"
+        return "shared", "CPU ranks on one host map rank 0's pages"
     if config.backend == "nccl":
-        return "process_group"
-    return "handles" if sys.platform.startswith("linux") else "process_group"
+        return "process_group", "NCCL between the ranks' devices"
+    refusal = handles_refusal(device)
+    if refusal is not None:
+        log.warning("parallel: weights travel through the process group (staged through host memory): %s", refusal)
+        return "process_group", refusal
+    return "handles", "ranks sharing a host without NCCL: CUDA IPC handles"
 
 
 @dataclass
@@ -72,7 +122,7 @@ class ModelCopies:
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, _Copy]" = weakref.WeakKeyDictionary()
         self._keys = itertools.count(1)
         self._dead_keys: list[str] = []  # models garbage-collected on rank 0, to drop at the next safe point
-        self.transport = choose_transport(world.config)
+        self.transport, self.transport_reason = choose_transport(world.config, world.device)
         self.sends = 0
         self.last_send: dict = {}  # the last model sent: seconds, transport, bytes (and the forward it came with)
 
@@ -129,6 +179,7 @@ class ModelCopies:
         deadline = time.monotonic() + world.startup_timeout
         for w in world.workers:
             world.expect(w, "loaded", deadline)
+        comm.HOST.clear()  # the send's staging buffers (pinned with gloo on CUDA): a model's worth otherwise
         nbytes = transport.param_bytes(run_module)
         self._copies[module] = _Copy(key, version, run_module if run_module is not module else None, nbytes)
         weakref.finalize(module, _release_key, weakref.ref(self), key)

@@ -34,6 +34,7 @@ from . import comm
 from .tensor_parallel import Cut
 
 BUCKET_BYTES = 64 * 2**20  # per rank and per bucket: small beside the weights, large for the links
+TRIAL_BUCKET_BYTES = 2**20  # what model_copies exports once to check that CUDA IPC handles work
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
             else:
                 bucket = pieces[0].clone() if channel.shares_buckets else pieces[0]
             channel.send_broadcast(bucket)
+            comm.PROGRESS.tick()
             del bucket, pieces
             continue
         per_coord: list[list[torch.Tensor]] = [[] for _ in range(tp_size)]
@@ -192,6 +194,7 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
             del w
         payload = [torch.cat(p) if len(p) > 1 else p[0] for p in per_coord]
         channel.send_scatter([payload[c] for c in tp_coords])
+        comm.PROGRESS.tick()
         del payload, per_coord
     return kept
 
@@ -211,6 +214,10 @@ def receive(entries: list[Entry], slots: list[torch.Tensor], channel, device, tp
             offset += dst.numel()
         del bucket
         channel.received()
+        comm.PROGRESS.tick()
+    # The copies above are queued on the device: the worker says "loaded" (and rank 0 times the
+    # send) only once they are done.
+    comm.synchronize(device)
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
