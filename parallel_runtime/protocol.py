@@ -27,10 +27,15 @@ RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks", "easycache", "hybrid_paral
 PATCH_KEYS = ("patches", "patches_replace", "optimized_attention_override")
 
 # One row per rank in the status table rank 0 shares with its local workers (a remote worker
-# sends its row, followed by its RSS). GPU figures are -1 on other devices.
+# sends its row, followed by its RSS). GPU figures are -1 on other devices, and so is a figure
+# the rank could not measure. New fields go at the end (COMPILE_FIELDS and readers of the older
+# ones index them). The peaks are the last prompt's (memory.PeakMemory says since when);
+# host_pinned / host_kept: the staging pool's pinned bytes and what it keeps (comm._HostBuffers).
 STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat", "gpu_allocated", "gpu_reserved",
-                 "compiling", "compiles", "recompiles", "compile_cache_hits", "compile_cache_misses")
+                 "compiling", "compiles", "recompiles", "compile_cache_hits", "compile_cache_misses",
+                 "gpu_peak_allocated", "gpu_peak_reserved", "rss_peak", "uss_peak", "host_pinned", "host_kept")
 COMPILE_FIELDS = slice(6, 11)  # compile_regions.CompileWatch.row()
+MEMORY_FIELDS = slice(11, 17)  # the fields above from gpu_peak_allocated on, memory.PeakMemory.row()
 
 
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:
@@ -38,6 +43,18 @@ def device_memory(device: torch.device) -> tuple[int | None, int | None]:
     if device.type != "cuda":
         return None, None
     return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
+def device_peaks(device: torch.device) -> tuple[int | None, int | None]:
+    """(allocated, reserved) high-water marks on ``device`` since ``reset_device_peaks``; (None, None) off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def reset_device_peaks(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, uuid.UUID, torch.dtype, torch.device, slice, range)

@@ -121,6 +121,40 @@ def test_staged_point_to_point_equals_the_direct_path(comfyui_path, monkeypatch)
     assert torch.equal(ring_staged, ring_direct) and torch.equal(vae_staged, vae_direct)
 
 
+def test_no_staging_buffer_stays_pinned_after_a_weight_send_or_the_world(comfyui_path, monkeypatch):
+    """Gloo on CUDA stages every collective through pinned host buffers (here: staging forced on CPU
+    tensors, pinning faked): a weight send used to leave its buckets pinned on every rank for good.
+    After each send, and after the world, no rank holds any; a forward's working set may stay."""
+    from parallel_runtime import comm
+
+    monkeypatch.setattr(comm, "HOST", comm._HostBuffers(pin=comm.plain_host, pin_cpu=True))
+    model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=4, text_dim=TEXT_DIM)
+    plan = find_plan(model).for_module(model)
+    source = VersionedSource()
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": "process_group",
+                                                    "PARALLEL_FORCE_STAGING": "1", "PARALLEL_TEST_FAKE_PIN": "1",
+                                                    "PARALLEL_HOST_BUFFER_CAP_MB": "64"}, ulysses_size=2)
+
+    def pools():
+        return [(r["host_pinned_bytes"], r["host_kept_bytes"]) for r in world.status()["ranks"]]
+
+    try:
+        world.copies.ensure(model, plan, source)
+        assert comm.HOST.pinned_total > 0, "the send did not go through the pinned staging buffers"
+        assert pools() == [(0, 0), (0, 0)]
+        run(world, model, wan_inputs(), source)  # Ulysses' all-to-alls, staged: a working set stays
+        after_forward = pools()
+        assert all(0 < kept <= 64 * 2**20 and pinned >= kept for pinned, kept in after_forward), after_forward
+        source.number += 1  # a new version: sent again
+        world.copies.ensure(model, plan, source)
+        assert pools() == [(0, 0), (0, 0)]
+        run(world, model, wan_inputs(), source)
+        assert comm.HOST.kept_bytes > 0
+    finally:
+        world.shutdown("test done")
+    assert comm.HOST.pinned_bytes == 0 and comm.HOST.kept_bytes == 0
+
+
 @pytest.fixture(scope="module")
 def gguf_nodes(comfyui_path):
     from tiny_gguf import import_gguf_nodes

@@ -1,0 +1,197 @@
+"""Per-rank memory figures, in-process: the staging pool's bound and its pinned bytes (comm._HostBuffers,
+pinning faked on the CPU), the peaks of the last prompt (memory.PeakMemory, the CUDA branch faked)
+and how the status route shows them (World.status with a worker that reports by message)."""
+import multiprocessing
+import types
+
+import pytest
+import torch
+
+from parallel_runtime import comm, memory, protocol
+from parallel_runtime.config import HostDevices, build_config
+from parallel_runtime.world import World, _Worker
+
+MB = 2**20
+
+
+def fake_pool(cap_mb: float) -> comm._HostBuffers:
+    """A pool whose every buffer goes through its pin function, as on a GPU rank (plain memory here)."""
+    return comm._HostBuffers(cap_bytes=int(cap_mb * MB), pin=comm.plain_host, pin_cpu=True)
+
+
+def cycle(pool, nbytes: int) -> None:
+    pool.release(pool.acquire(torch.empty(nbytes, dtype=torch.uint8)))
+
+
+def test_the_pool_keeps_at_most_its_cap_and_counts_what_is_pinned():
+    pool = fake_pool(4)
+    held = [pool.acquire(torch.empty(MB, dtype=torch.uint8)) for _ in range(3)]
+    assert pool.pinned_bytes == 3 * MB and pool.kept_bytes == 0  # in use: pinned, not kept
+    for buf in held:
+        pool.release(buf)
+    assert pool.kept_bytes == 3 * MB
+    del held, buf
+    for n in (2, 3, 5):  # new sizes: the oldest released go first
+        cycle(pool, n * 100_000)
+        assert pool.kept_bytes <= 4 * MB
+    assert pool.kept_bytes <= 4 * MB and pool.pinned_bytes == pool.kept_bytes  # evicted buffers are unpinned
+    cycle(pool, 5 * MB)  # larger than the cap: never kept
+    assert pool.kept_bytes <= 4 * MB and pool.pinned_bytes == pool.kept_bytes
+    assert pool.pinned_total >= 8 * MB
+    pool.clear()
+    assert pool.kept_bytes == 0 and pool.pinned_bytes == 0
+
+
+def test_a_kept_buffer_is_reused_and_cpu_buffers_are_not_pinned_without_the_switch():
+    pool = fake_pool(4)
+    cycle(pool, 1000)
+    first = pool.pinned_total
+    cycle(pool, 1000)
+    assert pool.pinned_total == first  # reused, not allocated again
+    plain = comm._HostBuffers(cap_bytes=4 * MB, pin=comm.plain_host, pin_cpu=False)
+    cycle(plain, 1000)
+    assert plain.pinned_total == 0 and plain.kept_bytes == 1000
+
+
+def test_a_worker_releasing_its_models_empties_its_pool(monkeypatch):
+    from parallel_runtime.worker import _Server
+
+    pool = fake_pool(64)
+    monkeypatch.setattr(comm, "HOST", pool)
+    cycle(pool, MB)
+    assert pool.pinned_bytes == MB
+    sent = []
+    server = types.SimpleNamespace(models={}, status_table=None, conn=types.SimpleNamespace(send=sent.append), rank=1)
+    _Server.release(server)
+    assert sent == [("released", 1)] and pool.pinned_bytes == 0 and pool.kept_bytes == 0
+
+
+# ---------------------------------------------------------------- peaks
+class FakeCuda:
+    """torch.cuda's memory counters, for a device this machine does not have."""
+
+    def __init__(self):
+        self.allocated, self.reserved, self.peak_allocated, self.peak_reserved = 100, 200, 100, 200
+        self.resets = 0
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak_allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak_reserved)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        return self
+
+    def use(self, allocated, reserved):
+        self.allocated, self.reserved = allocated, reserved
+        self.peak_allocated = max(self.peak_allocated, allocated)
+        self.peak_reserved = max(self.peak_reserved, reserved)
+
+    def reset(self, device=None):
+        self.resets += 1
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+
+def test_cuda_peaks_are_of_the_last_prompt(monkeypatch):
+    cuda = FakeCuda().install(monkeypatch)
+    device = torch.device("cuda:1")
+    peaks = memory.PeakMemory()
+    assert peaks.begin("p1", device) and cuda.resets == 1
+    cuda.use(5000, 8000)
+    cuda.use(1000, 8000)
+    assert not peaks.begin("p1", device)  # the same prompt's next forward: no reset
+    figures = peaks.figures(device)
+    assert figures["gpu_peak_allocated_bytes"] == 5000 and figures["gpu_peak_reserved_bytes"] == 8000
+    assert peaks.begin("p2", device) and cuda.resets == 2
+    cuda.use(2000, 8000)
+    assert peaks.figures(device)["gpu_peak_allocated_bytes"] == 2000
+    assert peaks.figures(device)["uss_peak_bytes"] is None  # no smaps reads on accelerator ranks
+
+
+def test_a_cuda_workers_row_carries_its_peaks_and_its_pool(monkeypatch):
+    """The worker's own report (_Server._send_stats) on a CUDA rank, as rank 0 reads it back."""
+    from parallel_runtime.worker import _Server
+
+    cuda = FakeCuda().install(monkeypatch)
+    monkeypatch.setattr(memory, "PEAKS", memory.PeakMemory())
+    pool = fake_pool(64)
+    monkeypatch.setattr(comm, "HOST", pool)
+    memory.PEAKS.begin("p1", "cuda:1")
+    cuda.use(7000, 9000)
+    cuda.use(3000, 9000)
+    cycle(pool, 4096)
+    server = types.SimpleNamespace(device=torch.device("cuda:1"), rank=1, remote=False,
+                                   status_table=torch.zeros(2, len(protocol.STATUS_FIELDS), dtype=torch.float64))
+    _Server._send_stats(server)
+    row = server.status_table[1].tolist()
+    assert row[4:6] == [3000, 9000]  # current
+    figures = memory.figures_from_row(row)
+    assert figures["gpu_peak_allocated_bytes"] == 7000 and figures["gpu_peak_reserved_bytes"] == 9000
+    assert figures["rss_peak_bytes"] > 0 and figures["uss_peak_bytes"] is None
+    assert figures["host_pinned_bytes"] == 4096 and figures["host_kept_bytes"] == 4096
+
+
+def test_cpu_peaks_follow_the_prompt(monkeypatch):
+    uss = iter([300, 900, 400, 100, 250])
+    peaks = memory.PeakMemory(uss=lambda: next(uss))
+    peaks.begin("p1", "cpu")
+    for _ in range(3):
+        peaks.sample("cpu")
+    assert peaks.figures("cpu")["uss_peak_bytes"] == 900
+    assert peaks.figures("cpu")["gpu_peak_allocated_bytes"] is None
+    peaks.begin("p2", "cpu")
+    peaks.sample("cpu")
+    peaks.sample("cpu")
+    assert peaks.figures("cpu")["uss_peak_bytes"] == 250 and peaks.prompt_id == "p2"
+
+
+def test_the_rss_peak_is_reset_at_a_new_prompt():
+    if not memory.reset_rss_peak():
+        pytest.fail("this Linux does not let a process reset its peak RSS (/proc/self/clear_refs)")
+    peaks = memory.PeakMemory(uss=lambda: None)
+    peaks.begin("p1", "cpu")
+    big = torch.ones(64 * MB, dtype=torch.uint8)  # 64 MiB touched
+    high = memory.rss_peak_bytes()
+    del big
+    peaks.begin("p2", "cpu")
+    assert memory.rss_peak_bytes() <= high - 32 * MB
+
+
+# ---------------------------------------------------------------- the status route
+@pytest.fixture()
+def remote_world():
+    mine, theirs = multiprocessing.Pipe()
+    worker = _Worker(1, "cuda:1", None, host="gpu-b")
+    worker.conn = mine
+    world = World(build_config(ulysses_size=2, host=HostDevices("cpu", cpu_count=2)), comfyui_path=".")
+    world.workers = [worker]
+    try:
+        yield world, theirs
+    finally:
+        world.watchdog.close()
+        mine.close()
+        theirs.close()
+
+
+def test_status_shows_every_ranks_current_and_peak_memory(remote_world, monkeypatch):
+    world, theirs = remote_world
+    monkeypatch.setattr(memory, "PEAKS", memory.PeakMemory())
+    memory.PEAKS.begin("prompt-7", world.device)
+    memory.PEAKS.sample(world.device)
+    row = [0.0] * len(protocol.STATUS_FIELDS)
+    row[4], row[5] = 3e9, 4e9
+    row[protocol.MEMORY_FIELDS] = [5e9, 6e9, 2e9, -1, 64 * MB, 0]
+    theirs.send(("stats", row + [1.5e9]))  # a worker on another host: its row, then its RSS
+    status = world.status()
+    assert status["peaks_prompt"] == "prompt-7"
+    zero, one = status["ranks"]
+    for key in ("gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "rss_peak_bytes", "uss_peak_bytes",
+                "host_pinned_bytes", "host_kept_bytes", "rss_bytes", "gpu_allocated_bytes"):
+        assert key in zero and key in one, key
+    assert zero["rss_peak_bytes"] >= zero["rss_bytes"] > 0
+    assert zero["uss_peak_bytes"] >= zero["uss_bytes"] > 0
+    assert zero["gpu_peak_allocated_bytes"] is None  # a CPU rank
+    assert zero["host_pinned_bytes"] == comm.HOST.pinned_bytes
+    assert one["gpu_allocated_bytes"] == 3e9 and one["gpu_peak_allocated_bytes"] == 5e9
+    assert one["gpu_peak_reserved_bytes"] == 6e9 and one["rss_peak_bytes"] == 2e9 >= one["rss_bytes"]
+    assert one["uss_peak_bytes"] is None and one["host_pinned_bytes"] == 64 * MB and one["host_kept_bytes"] == 0
