@@ -100,6 +100,22 @@ def test_front_end(browser, tiny_server):
     close_dialogs(browser)
     browser.save_screenshot(str(SCREENSHOTS / "parallel_config_invalid.png"))
 
+    # The canvas sends every input the node has (layout and weights too), so it refuses and
+    # accepts exactly what the node does.
+    def canvas_says(values, expect):
+        browser.execute_script("""
+            for (const [name, value] of arguments[0]) {
+                const w = window.__pc.widgets.find(w => w.name === name);
+                w.value = value; w.callback && w.callback(value);
+            }""", list(values.items()))
+        return wait_for(browser, "const v = window.__pc.parallelValidation; "
+                                 f"return v && v.message.includes({json.dumps(expect)}) && v", what=expect)
+
+    result = canvas_says({"ulysses_size": 2, "devices": "cpu,cpu", "weights": "1,0.5,0.25"}, "weights=")
+    assert result["ok"] is False and result["message"].startswith("Parallel Config: weights='1,0.5,0.25'")
+    result = canvas_says({"weights": "", "ulysses_size": 1, "layout": "auto"}, "layout auto")
+    assert result["ok"] is True and result["world_size"] == 2, result
+
     # A tiny sharded prompt from the page; the Parallel tab shows both ranks stepping.
     workflow = json.loads((REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json").read_text())
     for node in workflow["nodes"]:
