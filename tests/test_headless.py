@@ -21,6 +21,11 @@ def test_client_runs_a_workflow_and_saves_its_outputs(tiny_server, tmp_path):
     result = run_client(tiny_server, "--set", "KSampler.seed=777", "--set", "KSampler.steps=4", tmp_path=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "step 4/4" in result.stdout  # live progress from the websocket
+    # The per-rank summary from /parallel/status: memory now and at its peak during the prompt.
+    summary = result.stdout[result.stdout.index("ranks: world size 2"):]
+    for rank in (0, 1):
+        line = next(ln for ln in summary.splitlines() if ln.startswith(f"  rank {rank} cpu: "))
+        assert "RSS " in line and "USS " in line and "(peak " in line and "GPU" not in line, line
     saved = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert any(n.endswith(".png") for n in saved) and any(n.endswith(".latent") for n in saved), saved
 

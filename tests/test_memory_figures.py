@@ -1,6 +1,7 @@
 """Per-rank memory figures, in-process: the staging pool's bound and its pinned bytes (comm._HostBuffers,
 pinning faked on the CPU), the peaks of the last prompt (memory.PeakMemory, the CUDA branch faked)
 and how the status route shows them (World.status with a worker that reports by message)."""
+import mmap
 import multiprocessing
 import types
 
@@ -150,9 +151,10 @@ def test_the_rss_peak_is_reset_at_a_new_prompt():
         pytest.fail("this Linux does not let a process reset its peak RSS (/proc/self/clear_refs)")
     peaks = memory.PeakMemory(uss=lambda: None)
     peaks.begin("p1", "cpu")
-    big = torch.ones(64 * MB, dtype=torch.uint8)  # 64 MiB touched
+    big = mmap.mmap(-1, 64 * MB)  # its own mapping (freed memory from malloc may stay resident)
+    big.write(b"x" * (64 * MB))
     high = memory.rss_peak_bytes()
-    del big
+    big.close()
     peaks.begin("p2", "cpu")
     assert memory.rss_peak_bytes() <= high - 32 * MB
 
@@ -195,3 +197,19 @@ def test_status_shows_every_ranks_current_and_peak_memory(remote_world, monkeypa
     assert one["gpu_allocated_bytes"] == 3e9 and one["gpu_peak_allocated_bytes"] == 5e9
     assert one["gpu_peak_reserved_bytes"] == 6e9 and one["rss_peak_bytes"] == 2e9 >= one["rss_bytes"]
     assert one["uss_peak_bytes"] is None and one["host_pinned_bytes"] == 64 * MB and one["host_kept_bytes"] == 0
+
+
+def test_the_headless_client_summarises_every_rank():
+    from headless import rank_summary
+
+    status = {"world_size": 2, "state": "ready", "ranks": [
+        {"rank": 0, "device": "cuda:0", "alive": True, "gpu_allocated_bytes": 3 * 2**30,
+         "gpu_peak_allocated_bytes": 5 * 2**30, "gpu_reserved_bytes": 6 * 2**30, "gpu_peak_reserved_bytes": 7 * 2**30,
+         "rss_bytes": 900 * MB, "rss_peak_bytes": 1200 * MB, "uss_bytes": None, "uss_peak_bytes": None,
+         "host_pinned_bytes": 64 * MB, "param_bytes": 2**30, "forwards": 20},
+        {"rank": 1, "device": "cpu", "alive": False, "rss_bytes": None, "param_bytes": 0, "forwards": 0}]}
+    head, zero, one = rank_summary(status)
+    assert head.startswith("ranks: world size 2")
+    assert zero == ("  rank 0 cuda:0: GPU allocated 3072 MB (peak 5120 MB), reserved 6144 MB (peak 7168 MB), "
+                    "RSS 900 MB (peak 1200 MB), pinned 64 MB, weights 1024 MB, 20 steps")
+    assert one == "  rank 1 cpu (exited): weights 0 MB, 0 steps"

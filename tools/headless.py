@@ -9,6 +9,8 @@ The workflow may be in the UI format (what ComfyUI saves and its template browse
 API format ("Save (API Format)"); UI files are converted with the server's /object_info. ``--set``
 changes an input of every node of a class (or of one node: ``--set 9.seed=7``). Exit code 0 when the
 prompt succeeded, 1 when it failed (the error, with the failing rank's traceback, is printed).
+When the run ends it prints one line per rank from /parallel/status: GPU allocated and reserved
+memory, RSS and USS, each now and at its peak during the prompt, as the seeds' --track-memory does.
 Needs only the standard library; with the ``websocket-client`` package it shows live progress,
 without it it polls /history.
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
@@ -88,6 +91,48 @@ def follow(server: str, client_id: str, prompt_id: str, timeout: float) -> None:
     raise SystemExit(f"prompt {prompt_id} did not finish within {timeout:.0f}s")
 
 
+MB = 2**20
+
+
+def _mb(value) -> str:
+    return "-" if value is None else f"{value / MB:.0f} MB"
+
+
+def _now_and_peak(name: str, now, peak) -> str | None:
+    if now is None and peak is None:
+        return None
+    return f"{name} {_mb(now)} (peak {_mb(peak)})"
+
+
+def rank_summary(status: dict) -> list[str]:
+    """One line per rank of GET /parallel/status: memory now and its peak during the last prompt
+    (GPU allocated / reserved on accelerator ranks, RSS and USS on every rank), the staging pool's
+    pinned host memory, weights held and steps run."""
+    lines = [f"ranks: world size {status.get('world_size')}, {status.get('state')} "
+             "(peaks: since the prompt's first sharded step)"]
+    for r in status.get("ranks", []):
+        parts = [_now_and_peak("GPU allocated", r.get("gpu_allocated_bytes"), r.get("gpu_peak_allocated_bytes")),
+                 _now_and_peak("reserved", r.get("gpu_reserved_bytes"), r.get("gpu_peak_reserved_bytes")),
+                 _now_and_peak("RSS", r.get("rss_bytes"), r.get("rss_peak_bytes")),
+                 _now_and_peak("USS", r.get("uss_bytes"), r.get("uss_peak_bytes"))]
+        if r.get("host_pinned_bytes"):
+            parts.append(f"pinned {_mb(r['host_pinned_bytes'])}")
+        parts.append(f"weights {_mb(r.get('param_bytes'))}, {r.get('forwards', 0)} steps")
+        alive = "" if r.get("alive", True) else " (exited)"
+        lines.append(f"  rank {r.get('rank')} {r.get('device') or '-'}{alive}: " + ", ".join(p for p in parts if p))
+    return lines
+
+
+def print_rank_summary(server: str) -> None:
+    """The per-rank summary at the end of a run (nothing when the server has no parallel pack)."""
+    try:
+        status = http(server, "/parallel/status", timeout=30)
+    except (urllib.error.URLError, OSError, ValueError):
+        return
+    if isinstance(status, dict) and status.get("ranks"):
+        print("\n".join(rank_summary(status)), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workflow", help="workflow JSON (UI or API format)")
@@ -110,6 +155,7 @@ def main() -> int:
     print(f"queued {prompt_id}")
     follow(server, client_id, prompt_id, opts.timeout)
     entry = http(server, f"/history/{prompt_id}")[prompt_id]
+    print_rank_summary(server)
     status = entry["status"]
     if status.get("status_str") == "error":
         for kind, data in status.get("messages", []):
