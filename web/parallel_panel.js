@@ -1,5 +1,6 @@
 // A "Parallel" tab in ComfyUI's sidebar: the mesh and, for every rank, its device, liveness,
-// host memory, GPU memory (allocated / reserved), weights, last step time and what torch.compile
+// host memory, GPU memory (allocated / reserved, with their peaks during the last prompt), the
+// peak RSS / USS of the last prompt, the staging buffers' pinned host memory, weights, last step time and what torch.compile
 // did (frames compiled; "compiling…" while it does), the links and compute the probe measured,
 // the layout "layout: auto" chose per model (with its predicted alternatives), from GET
 // /parallel/status, refreshed every second while the tab is open and at once when a prompt
@@ -14,7 +15,11 @@ const dims = (sizes) => Object.entries(sizes || {}).filter(([, n]) => n > 1).map
   || "single rank";
 const GB = 1e9;
 const fmtGpu = (r) => (r.gpu_allocated_bytes == null ? "–"
-  : `${(r.gpu_allocated_bytes / MB).toFixed(0)} / ${(r.gpu_reserved_bytes / MB).toFixed(0)} MB`);
+  : `${(r.gpu_allocated_bytes / MB).toFixed(0)} / ${(r.gpu_reserved_bytes / MB).toFixed(0)} MB`
+    + (r.gpu_peak_allocated_bytes == null ? ""
+      : ` (peak ${(r.gpu_peak_allocated_bytes / MB).toFixed(0)} / ${(r.gpu_peak_reserved_bytes / MB).toFixed(0)} MB)`));
+const fmtPeaks = (r) => (r.rss_peak_bytes == null && r.uss_peak_bytes == null ? "–"
+  : `${fmtMB(r.rss_peak_bytes)} / ${fmtMB(r.uss_peak_bytes)}`);
 
 function el(tag, attrs = {}, children = []) {
   const node = document.createElement(tag);
@@ -54,6 +59,10 @@ function render(root, status) {
       el("td", { textContent: r.alive ? "●" : "✕", style: `color:${r.alive ? "#6c6" : "#f66"}` }),
       el("td", { textContent: fmtMB(r.pss_bytes ?? r.rss_bytes) }),
       el("td", { textContent: fmtGpu(r), className: "hp-gpu" }),
+      el("td", { textContent: fmtPeaks(r), className: "hp-peaks",
+        title: "peak RSS / USS since this prompt's first sharded step (USS: CPU ranks, sampled after each step)" }),
+      el("td", { textContent: fmtMB(r.host_pinned_bytes), className: "hp-pinned",
+        title: `pinned host buffers of staged collectives (gloo on GPU tensors); kept for reuse: ${fmtMB(r.host_kept_bytes)}` }),
       el("td", { textContent: fmtMB(r.param_bytes) }),
       el("td", { textContent: fmtMs(r.last_forward_ms), className: "hp-last-ms" }),
       el("td", { textContent: r.forwards ?? 0, className: "hp-forwards" }),
@@ -64,7 +73,8 @@ function render(root, status) {
     ]),
   );
   const table = el("table", { className: "hp-ranks" }, [
-    el("thead", {}, [el("tr", {}, ["rank", "device", "alive", "memory", "GPU alloc / reserved", "weights", "last step", "steps", "compiled"]
+    el("thead", {}, [el("tr", {}, ["rank", "device", "alive", "memory", "GPU alloc / reserved", "peak RSS / USS", "pinned", "weights",
+      "last step", "steps", "compiled"]
       .map((h) => el("th", { textContent: h })))]),
     el("tbody", {}, rows),
   ]);
