@@ -50,7 +50,8 @@ def test_sharded_workflow_equals_unsharded(tiny_server, tiny_prompt):
 
 
 def test_status_lists_every_rank(tiny_server, tiny_prompt):
-    tiny_server.run(edited(tiny_prompt, KSampler={"seed": 7}), timeout=300)
+    prompt_id = tiny_server.queue(edited(tiny_prompt, KSampler={"seed": 7}))
+    tiny_server.wait(prompt_id, timeout=300)
     info = status(tiny_server)
     assert info["world_size"] == 2 and info["mesh"] == {"cfg": 1, "ring": 1, "ulysses": 2, "tp": 1}
     assert [r["rank"] for r in info["ranks"]] == [0, 1]
@@ -58,7 +59,12 @@ def test_status_lists_every_rank(tiny_server, tiny_prompt):
         assert r["alive"] is True and r["device"] == "cpu" and r["pid"] > 0
         assert r["param_bytes"] > 10_000_000  # the tiny transformer is about 13 MB in fp32
         assert r["rss_bytes"] > 0 and r["pss_bytes"] > 0 and r["last_forward_ms"] > 0
+        # Memory now and at its peak during the prompt; CPU ranks: no GPU figures, nothing pinned.
+        assert r["rss_peak_bytes"] >= r["rss_bytes"] > 0 and r["uss_peak_bytes"] >= r["uss_bytes"] > 0, r
+        assert r["gpu_peak_allocated_bytes"] is None and r["gpu_peak_reserved_bytes"] is None
+        assert r["host_pinned_bytes"] == 0 and r["host_kept_bytes"] == 0
     assert info["ranks"][1]["pid"] != os.getpid()
+    assert info["peaks_prompt"] == prompt_id  # the peaks are this prompt's
 
 
 def test_bad_config_is_refused_before_anything_runs(tiny_server, tiny_prompt):
