@@ -150,6 +150,12 @@ def _guarded_call(fn, args, kwargs):
         return None
 
 
+def _posted(post, *args, **kwargs) -> list:
+    """The requests of an asynchronous operation just posted (none once aborted under the fake)."""
+    work = _guarded_call(post, args, kwargs)
+    return [] if work is None else work if isinstance(work, list) else [work]
+
+
 def _blocking(fn):
     @functools.wraps(fn)
     def timed(*args, **kwargs):
@@ -353,10 +359,10 @@ def all_to_all_async(out: torch.Tensor, inp: torch.Tensor, group=None) -> "Pendi
     """``all_to_all_single`` in flight: ``wait()`` on the result completes it (NCCL runs it on its
     own stream, gloo on its own thread, while this thread computes)."""
     if not staged(group, inp):
-        return Pending([dist.all_to_all_single(out, inp, group=group, async_op=True)])
+        return Pending(_posted(dist.all_to_all_single, out, inp, group=group, async_op=True))
     host_in, host_out = _to_host(inp), _empty_host(out)
-    work = dist.all_to_all_single(host_out, host_in, group=group, async_op=True)
-    return Pending([work], copies=[(out, host_out)], buffers=[host_in])
+    work = _posted(dist.all_to_all_single, host_out, host_in, group=group, async_op=True)
+    return Pending(work, copies=[(out, host_out)], buffers=[host_in])
 
 
 def _all_gather_native(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -431,7 +437,7 @@ def p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> Pending:
         return Pending([])
     if not staged(group, ops[0][1]):
         batch = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops]
-        return Pending(dist.batch_isend_irecv(batch))
+        return Pending(_posted(dist.batch_isend_irecv, batch))
     batch, copies, buffers = [], [], []
     for kind, t, peer in ops:
         if kind == "send":
@@ -442,4 +448,4 @@ def p2p(ops: list[tuple[str, torch.Tensor, int]], group=None) -> Pending:
             host = _empty_host(t)
             copies.append((t, host))
             batch.append(dist.P2POp(dist.irecv, host, peer, group))
-    return Pending(dist.batch_isend_irecv(batch), copies, buffers)
+    return Pending(_posted(dist.batch_isend_irecv, batch), copies, buffers)

@@ -184,3 +184,36 @@ def test_a_worker_says_loaded_only_after_its_copies_are_done(monkeypatch):
     slots = weight_stream.allocate(entries, 1, "cpu")
     weight_stream.receive(entries, slots, Channel(), torch.device("cpu"), 1)
     assert synced[-1] == ("sync", "cpu") and "bucket" in synced[:-1]
+
+
+# ---------------------------------------------------------------- with real ranks
+@pytest.mark.multirank
+def test_a_decode_longer_than_the_collective_timeout_completes_while_the_ranks_progress(runtime, monkeypatch):
+    """A long video decode or a 14B step on gloo outlasts any fixed timeout: with the timeout at
+    1 s, a decode of several seconds whose ranks keep completing collectives finishes, exact."""
+    from conftest import cpu_world
+    from parallel_runtime import world as world_module
+    from parallel_runtime.plans.vae import check_vae
+    from vae_cases import VAES
+
+    monkeypatch.setattr(world_module, "COLLECTIVE_TIMEOUT_S", 1.0)
+    world = cpu_world(runtime, {"ulysses_size": 2})
+    vae, z, _ = VAES["kl_sd"]()
+    with torch.inference_mode():
+        ref = vae.decode(z)
+        world.forward(vae, check_vae(vae), vae.decode, (z,), {})  # the weights reach rank 1 first
+    # Rank 0 (this process) then takes 0.15 s per convolution: many timeouts in all, never one
+    # without a collective completing.
+    convs = [m for m in vae.modules() if isinstance(m, torch.nn.Conv2d)]
+    handles = [m.register_forward_hook(lambda *a: time.sleep(0.15)) for m in convs]
+    try:
+        started = time.monotonic()
+        with torch.inference_mode():
+            out = world.forward(vae, check_vae(vae), vae.decode, (z,), {})
+        took = time.monotonic() - started
+    finally:
+        for h in handles:
+            h.remove()
+    print(f"\na decode of {took:.1f} s under a 1 s collective timeout: completed")
+    assert took > 3.0 and world.healthy
+    assert (out - ref).abs().max().item() <= 1e-4
