@@ -58,6 +58,8 @@ def _alias_rank0_package(name: str | None) -> None:
 
 def main() -> int:
     boot = json.loads(sys.stdin.readline())
+    # The test fake of NCCL's abort (comm.FAKE_ABORT_ENV) is rank 0's: only rank 0 aborts.
+    os.environ.pop("PARALLEL_TEST_NCCL_ABORT", None)
     rank = boot["rank"]
     _watch_parent(boot["parent_pid"])
     _prepare_comfy(boot)
@@ -125,10 +127,28 @@ class _Server:
         store = dist.TCPStore(boot["store_host"], boot["store_port"], boot["world_size"], False, timeout=timeout)
         dist.init_process_group(boot["backend"], store=store, rank=self.rank, world_size=boot["world_size"],
                                 timeout=timeout)
-        self.mesh = ProcessMesh(MeshLayout.from_sizes(boot["mesh"]), self.rank)
+        self.process_groups: dict = {}  # rank set -> group, shared by the meshes (as on rank 0)
+        self.mesh = ProcessMesh(MeshLayout.from_sizes(boot["mesh"]), self.rank, self.process_groups)
         self.meshes = {self.mesh.layout.sizes: self.mesh}  # every layout rank 0 formed groups for
         self.models: dict[str, tuple] = {}
+        self._publish_progress()
         conn.send(("ready", self.rank))
+
+    def _publish_progress(self) -> None:
+        """Rank 0's watchdog judges a long forward by whether the ranks progress: this rank's count
+        of completed collectives goes to its row of the shared status table, every 50 ms."""
+        from parallel_runtime import comm, protocol
+
+        field = protocol.STATUS_FIELDS.index("heartbeat")
+
+        def loop():
+            while True:
+                table = self.status_table
+                if table is None:
+                    return
+                table[self.rank, field] = float(comm.PROGRESS.count)
+                time.sleep(0.05)
+        threading.Thread(target=loop, name="parallel-progress", daemon=True).start()
 
     def serve(self) -> None:
         while True:
@@ -143,9 +163,12 @@ class _Server:
         """Unmap the shared weights and the status table, and tell rank 0 so."""
         import gc
 
+        from parallel_runtime import comm
+
         self.models.clear()
         self.status_table = None
         gc.collect()
+        comm.HOST.clear()  # the staging pool's pinned buffers
         self.conn.send(("released", self.rank))
 
     def on_load(self, key: str, family: str, data: bytes) -> None:
@@ -162,7 +185,7 @@ class _Server:
                        bucket_bytes: int) -> None:
         """A skeleton whose slots are allocated here, on this rank's device, at this rank's
         shape, then filled from rank 0's byte stream (weight_stream)."""
-        from parallel_runtime import transport, weight_stream
+        from parallel_runtime import comm, transport, weight_stream
         from parallel_runtime.plans import plan_for_family
         from parallel_runtime.tensor_parallel import finish_shard
 
@@ -181,6 +204,7 @@ class _Server:
         module.to(self.device)  # anything the skeleton carried by value
         module.requires_grad_(False)
         self.models[key] = (module, plan)
+        comm.HOST.clear()  # the send's staging buffers (pinned with gloo on CUDA)
         self._loaded(key)
 
     def _loaded(self, key: str) -> None:
@@ -235,20 +259,22 @@ class _Server:
         from parallel_runtime.mesh import MeshLayout, ProcessMesh
 
         layout = MeshLayout(tuple(sizes))
-        self.meshes[layout.sizes] = ProcessMesh(layout, self.rank)
+        self.meshes[layout.sizes] = ProcessMesh(layout, self.rank, self.process_groups)
 
     def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None,
-                   layout=None, weights=(), ulysses_chunks: int = 1) -> None:
+                   layout=None, weights=(), ulysses_chunks: int = 1, prompt=None) -> None:
         import torch
 
         from parallel_runtime import compile_regions, protocol
         from parallel_runtime.execution import run_sharded
-        from parallel_runtime.memory import release_free_heap
+        from parallel_runtime.memory import PEAKS, release_free_heap
 
+        PEAKS.begin(prompt, self.device)  # a new prompt: this rank's memory peaks start again
         started = time.perf_counter()
-        self._maybe_inject_fault()
+        self._maybe_inject_fault("start")
         module, plan = self.models[key]
         tensors = protocol.broadcast_tensors(None, meta, self.device)
+        self._maybe_inject_fault("inputs")
         args, kwargs = protocol.unflatten(spec, tensors)
         method = getattr(module, method_name)
         if compile is not None and compile_regions.watch().listener is None:
@@ -264,24 +290,30 @@ class _Server:
         row = self.status_table[self.rank]
         row[0] = (time.perf_counter() - started) * 1e3
         row[2] += 1
-        row[3] = time.time()
         self._send_stats()
         if self.device.type == "cpu":
             release_free_heap(collect=False)  # the step's freed temporaries, or each CPU rank keeps a step of dead heap
 
-    def _maybe_inject_fault(self) -> None:
+    def _maybe_inject_fault(self, stage: str) -> None:
         """Failure drills: PARALLEL_FAULT_INJECT="raise:<rank>:<n>" makes that rank raise on its
         n-th forward, "hang:<rank>:<n>" makes it stop there without dying (the watchdog's case),
-        so that error reporting can be tested end to end."""
+        "kill:<rank>:<n>" makes it die by SIGKILL in the middle of it (its inputs received, its
+        part not computed), so that error reporting can be tested end to end."""
         spec = os.environ.get("PARALLEL_FAULT_INJECT", "")
         kind, _, rest = spec.partition(":")
         rank, _, nth = rest.partition(":")
-        if kind in ("raise", "hang") and rank.isdigit() and int(rank) == self.rank:
+        if kind not in ("raise", "hang", "kill") or not rank.isdigit() or int(rank) != self.rank:
+            return
+        if stage == "start":
             self.forwards_seen = getattr(self, "forwards_seen", 0) + 1
-            if self.forwards_seen == int(nth or 1):
-                if kind == "hang":  # alive, but never joins the forward's collectives
-                    time.sleep(10**6)
-                raise RuntimeError(f"injected fault on rank {self.rank} (PARALLEL_FAULT_INJECT={spec})")
+        if self.forwards_seen != int(nth or 1):
+            return
+        if kind == "kill" and stage == "inputs":
+            os.kill(os.getpid(), 9)
+        if kind == "hang" and stage == "start":  # alive, but never joins the forward's collectives
+            time.sleep(10**6)
+        if kind == "raise" and stage == "start":
+            raise RuntimeError(f"injected fault on rank {self.rank} (PARALLEL_FAULT_INJECT={spec})")
 
     def _publish_compile(self, watch) -> None:
         """Live in the shared status table (rank 0's watchdog waits while a rank compiles)."""
@@ -301,11 +333,18 @@ class _Server:
         self._send_stats()
 
     def _send_stats(self) -> None:
+        """This rank's row: current and peak memory (a USS sample on CPU ranks, at the end of each
+        forward and load: memory.PeakMemory) and the staging pool's pinned / kept bytes."""
+        import torch
+
         from parallel_runtime import protocol
+        from parallel_runtime.memory import PEAKS
 
         allocated, reserved = protocol.device_memory(self.device)
         row = self.status_table[self.rank]
         row[4], row[5] = (-1.0, -1.0) if allocated is None else (float(allocated), float(reserved))
+        PEAKS.sample(self.device)
+        row[protocol.MEMORY_FIELDS] = torch.tensor(PEAKS.row(self.device), dtype=torch.float64)
         if self.remote:
             import psutil
 

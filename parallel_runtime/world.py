@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import arguments, compile_regions, probe, protocol, transport
+from . import arguments, comm, compile_regions, memory, probe, protocol, transport
 from .auto_layout import AutoLayouts
 from .model_copies import ModelCopies
-from .watchdog import Watchdog, prepare_nccl_environment
+from .watchdog import SectionStopped, Watchdog, prepare_nccl_environment
 from .config import MESH_DIMS, ParallelConfig, describe_sizes
 from .mesh import MeshLayout, ProcessMesh
 from .execution import run_sharded
@@ -57,8 +57,11 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 STARTUP_TIMEOUT_S = _env_seconds("PARALLEL_STARTUP_TIMEOUT_S", 180)
+# How long a guarded section (a forward, a decode) may go without any rank completing a
+# collective before the watchdog takes it for a hang: not the length of the section, which may be
+# anything while the ranks progress.
 COLLECTIVE_TIMEOUT_S = _env_seconds("PARALLEL_COLLECTIVE_TIMEOUT_S", 300)
-# The backends' own timeout: later than the watchdog's, which names the rank that hung.
+# The backends' own timeout for one collective: later than the watchdog's, which names the rank that hung.
 BACKEND_TIMEOUT_S = COLLECTIVE_TIMEOUT_S + 60
 SHUTDOWN_GRACE_S = 15.0  # for workers to unmap their weights and exit when told to
 STATUS_FIELDS = protocol.STATUS_FIELDS
@@ -199,6 +202,7 @@ class World:
         self.current_layout = self.layout     # the layout of the last forward (layout: auto chooses per model)
         # Every layout this world has formed groups for (layout: auto runs each model in its own).
         self.meshes: dict[tuple[int, ...], ProcessMesh] = {}
+        self._process_groups: dict[tuple[int, ...], object] = {}  # rank set -> group, shared by the meshes
         self.state = "starting"
         self.failure: str | None = None
         self.started_at = time.time()
@@ -217,7 +221,8 @@ class World:
         self._status_table = None
         self.startup_timeout = STARTUP_TIMEOUT_S
         self.copies = ModelCopies(self)
-        self.watchdog = Watchdog(self._dead_ranks, self._stop_collectives, busy=self._compiling)
+        self.watchdog = Watchdog(self._dead_ranks, self._stop_collectives, busy=self._compiling,
+                                 progress=self._progress)
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -226,6 +231,9 @@ class World:
             raise WorldStartError("a torch.distributed process group already exists in this process "
                                   "(another extension started one); the parallel runtime needs its own")
         transport.use_shared_memory_strategy()
+        comm.reset_abort()
+        if self.config.backend == "nccl":  # before the workers start: they inherit it
+            prepare_nccl_environment()
         try:
             self._start()
         except BaseException:
@@ -287,11 +295,9 @@ class World:
         for w in self.workers:
             w.conn.send(("status_table", None if w.host else _pickled_shared(self._status_table)))
             w.maps_status_table = w.host is None
-        if self.config.backend == "nccl":
-            prepare_nccl_environment()
         dist.init_process_group(self.config.backend, store=self._store, rank=0, world_size=self.world_size,
                                 timeout=timeout)
-        self.mesh = ProcessMesh(self.layout, 0)
+        self.mesh = ProcessMesh(self.layout, 0, self._process_groups)
         self.meshes[self.layout.sizes] = self.mesh
         for w in self.workers:
             self.expect(w, "ready", time.monotonic() + STARTUP_TIMEOUT_S)
@@ -366,14 +372,25 @@ class World:
     def _dead_ranks(self) -> list[int]:
         return [w.rank for w in self.workers if not w.alive]
 
+    def _progress(self) -> float:
+        """Grows while any rank completes collectives (the watchdog's liveness measure): rank 0's
+        own count and each local worker's, which it publishes in the shared status table. A worker
+        on another host has no shared table; rank 0's count stands for it (in lockstep a rank that
+        stops soon stops every other)."""
+        total = float(comm.PROGRESS.count)
+        table = self._status_table
+        if table is not None and self.world_size > 1:
+            total += float(table[1:, protocol.STATUS_FIELDS.index("heartbeat")].sum())
+        return total
+
     def _stop_collectives(self, reason: str, hung: bool) -> None:
         """The watchdog's way out of a collective that cannot complete (see watchdog.py)."""
         if hung:  # a living rank that never arrives: kill the workers, their sockets close
             for w in self.workers:
                 if w.proc is not None and w.proc.poll() is None:
                     w.proc.kill()
-        if self.config.backend == "nccl":  # NCCL kernels do not notice a dead peer: abort them
-            dist.distributed_c10d._abort_process_group()
+        # NCCL kernels do not notice a dead peer: abort them (the one place that aborts).
+        comm.abort_collectives(self.config.backend)
 
     def shutdown(self, reason: str = "shutdown"):
         with self._lock:
@@ -393,6 +410,7 @@ class World:
             # The subgroups close their connections only once nothing references them.
             self.mesh = None
             self.meshes.clear()
+            self._process_groups.clear()
             if dist.is_initialized():
                 try:
                     dist.destroy_process_group()
@@ -437,6 +455,7 @@ class World:
                 os.rmdir(self._socket_dir)
                 self._socket_dir = None
             self._store = None
+            comm.HOST.clear()  # the staging pool's pinned buffers (shared across worlds)
             log.info("parallel world stopped (%s)", reason)
 
     @property
@@ -524,9 +543,11 @@ class World:
                 key, run_module = self.copies.ensure(module, plan, source, layout)
             started = time.perf_counter()
             with self._threads(), self.watchdog.guard("forward", COLLECTIVE_TIMEOUT_S):
+                prompt = memory.current_prompt()  # a new prompt resets every rank's memory peaks
+                memory.PEAKS.begin(prompt, self.device)
                 for w in self.workers:
                     w.conn.send(("forward", key, method_name, spec, meta, distributed_attention, compile,
-                                 list(layout.sizes), weights, chunks))
+                                 list(layout.sizes), weights, chunks, prompt))
                 t_sent = time.perf_counter()
                 protocol.broadcast_tensors(tensors, meta, self.device)
                 t_broadcast = time.perf_counter()
@@ -541,8 +562,9 @@ class World:
                     out = run_sharded(run_module, plan, mesh, call, _method_of(run_module, method_name),
                                       bound.args, bound.kwargs, distributed_attention=distributed_attention,
                                       compile=compile, weights=weights, ulysses_chunks=chunks)
-                synchronize(self.device)  # a step's time, not the time to queue its kernels
+                comm.synchronize(self.device)  # a step's time, not the time to queue its kernels
             self.last_forward_ms = (time.perf_counter() - started) * 1e3
+            memory.PEAKS.sample(self.device)  # USS peak (CPU ranks)
             self.forwards += 1
             if self.first_forward is None:
                 self.first_forward = {"seconds": round(time.perf_counter() - t0, 3),
@@ -556,6 +578,8 @@ class World:
                 failure = f"{self.watchdog.fired}; every rank was stopped and the next run starts fresh workers"
             else:
                 failure = self._explain_failure(exc)
+                if failure is None and isinstance(exc, SectionStopped):
+                    failure = f"{exc}; every rank was stopped and the next run starts fresh workers"
             self.failure = failure or f"rank 0: {type(exc).__name__}: {exc}"
             self.state = "failed"
             self.shutdown("a rank failed" if failure else f"rank 0 raised {type(exc).__name__}")
@@ -594,7 +618,7 @@ class World:
         if mesh is None:
             for w in self.workers:
                 w.conn.send(("mesh", list(layout.sizes)))
-            mesh = self.meshes[layout.sizes] = ProcessMesh(layout, 0)  # new_group: every rank, in order
+            mesh = self.meshes[layout.sizes] = ProcessMesh(layout, 0, self._process_groups)  # every rank, in order
             log.info("parallel world: process groups for layout %s formed", describe_sizes(dict(zip(MESH_DIMS, layout.sizes))))
         return mesh
 
@@ -665,7 +689,7 @@ class World:
         return table is not None and bool((table[1:, protocol.COMPILE_FIELDS.start] > 0).any())
 
     def status(self) -> dict:
-        from .memory import process_memory
+        from .memory import PEAKS, figures_from_row, process_memory, with_current
 
         ranks = []
         table = self._status_table
@@ -675,6 +699,7 @@ class World:
                 alive, device = True, self.config.devices[0]
                 last_ms, nbytes, forwards = self.last_forward_ms, self.param_bytes_rank0, self.forwards
                 gpu = protocol.device_memory(self.device)
+                peaks = PEAKS.figures(self.device)  # peaks of the last prompt, staging pool (memory.PeakMemory)
                 compiling, compiles, recompiles, hits, misses = compile_regions.watch().row()
             else:
                 w = self.workers[rank - 1]
@@ -688,30 +713,31 @@ class World:
                 nbytes, forwards = int(row[1]), int(row[2])
                 gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
                 compiling, compiles, recompiles, hits, misses = row[protocol.COMPILE_FIELDS]
+                peaks = figures_from_row(row)
+                if torch.device(device).type != "cuda":  # the row's zeros before its first report
+                    peaks["gpu_peak_allocated_bytes"] = peaks["gpu_peak_reserved_bytes"] = None
             if rank > 0 and self.workers[rank - 1].host is not None:  # another host: what it reported
                 rss = row[len(STATUS_FIELDS)] if len(row) > len(STATUS_FIELDS) else None
                 mem = {"rss_bytes": int(rss) if rss else None, "pss_bytes": None}
             else:
-                mem = process_memory(pid) if alive else {"rss_bytes": None, "pss_bytes": None}
+                mem = process_memory(pid) if alive else {"rss_bytes": None, "pss_bytes": None, "uss_bytes": None}
+            peaks = with_current(peaks, mem, device)
             ranks.append({"rank": rank, "device": device, "pid": pid, "alive": alive, "param_bytes": nbytes,
                           **mem, "gpu_allocated_bytes": None if gpu[0] is None else int(gpu[0]),
                           "gpu_reserved_bytes": None if gpu[1] is None else int(gpu[1]),
                           "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
                           "coords": self.current_layout.coords(rank), "host": self.config.host_of(rank) or "local",
                           "compiling": bool(compiling), "compiles": int(compiles), "recompiles": int(recompiles),
-                          "compile_cache": {"hits": int(hits), "misses": int(misses)}})
+                          "compile_cache": {"hits": int(hits), "misses": int(misses)}, **peaks})
         mesh = dict(zip(MESH_DIMS, self.current_layout.sizes)) if self.config.auto_layout else self.config.mesh_sizes
         return {"world_size": self.world_size, "mesh": mesh, "backend": self.config.backend,
-                "transport": self.copies.transport, "last_weight_send": self.copies.last_send or None,
+                "transport": self.copies.transport,
+                "transport_reason": self.copies.transport_reason, "last_weight_send": self.copies.last_send or None,
                 "first_forward": self.first_forward, "probe": self.probe, "layout": self.config.layout,
                 "layouts": self.auto.status(), "notes": list(self.notes),
                 "state": self.state, "failure": self.failure, "forwards": self.forwards,
-                "compiling": any(r["compiling"] for r in ranks), "ranks": ranks}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+                "compiling": any(r["compiling"] for r in ranks), "peaks_prompt": PEAKS.prompt_id,
+                "ranks": ranks}
 
 
 def _pickled_shared(t: torch.Tensor) -> bytes:
