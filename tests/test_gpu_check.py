@@ -1,35 +1,113 @@
 """tools/gpu_check.py, the GPU check, run here on CPU ranks: the script is only run by hand on a
-GPU, so the suite keeps it from rotting in between. Every case with code of its own runs; of the
-plain layouts (one helper, Check.layout) USP 2x2 and TP after Ulysses stand for all, the others
-run through the same server in tests/test_comfy_context_parallel.py and test_comfy_tensor_parallel.py.
-The compiled comparison runs on the bench's smallest Flux."""
+GPU, so the suite keeps it from rotting in between. The check comes in parts (one 10-minute
+command of a lent GPU machine each); every part runs its CPU subset here, in one process, the
+parts on ComfyUI's default allocator sharing one server (as on a GPU when they run together).
+
+To stay within the time the single-part check took (the whole CI has a 20-minute budget), each
+part runs only cases with code of their own, split between the two tiny parts: the plain layouts
+(Ulysses, Ring, CFG, TP, USP 2x2: one helper, Check.layout, which TP after Ulysses runs) go
+through the same server in tests/test_comfy_context_parallel.py and test_comfy_tensor_parallel.py.
+Part big runs a one-block Flux at 64x64 pixels and Ulysses 2 only (TP 2 is the same loop), part
+compile the bench's smallest Flux. A cheap test checks that every part and case is known."""
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.comfy_server
-CASES = ("usp2x2", "tp_after_ulysses", "lora_change", "two_models", "vae2", "text_encoder2", "killed_worker",
-         "interrupt")
+GPU_CHECK = REPO / "tools" / "gpu_check.py"
+# The CPU subset: every tiny case with code of its own, split between parts 1 and 2.
+SUBSET = {
+    "tiny": ("tp_after_ulysses", "lora_change", "two_models", "vae2", "killed_worker"),
+    "tiny-no-cuda-malloc": ("text_encoder2", "interrupt"),
+    "big": ("ulysses2",),
+}
+TINY_CASES = ("ulysses2", "ring2", "cfg2", "tp2", "usp2x2", "tp_after_ulysses", "lora_change", "two_models", "vae2",
+              "text_encoder2", "killed_worker", "interrupt")
 
 
-def test_every_gpu_check_case_passes_on_cpu_ranks(tmp_path, comfyui_path):
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu", "--big", "none",
-                           "--out", str(tmp_path), "--cases", ",".join(CASES),
-                           "--compile", "flux_smoke_ulysses2_compiled"], env=dict(os.environ, COMFYUI_PATH=comfyui_path),
-                          capture_output=True, text=True, timeout=900)
+def listed_parts() -> dict[str, tuple[str, ...]]:
+    """``gpu_check.py --list``: part name -> its cases."""
+    out = subprocess.run([sys.executable, str(GPU_CHECK), "--list"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    parts = re.findall(r"^part (\d) (\S+): .*\(about ([\d.]+) min on an H100\)\n  cases: (.*)$", out, re.M)
+    assert [int(n) for n, *_ in parts] == list(range(1, len(parts) + 1)), out
+    assert all(float(minutes) <= 8 for _, _, minutes, _ in parts), out  # each fits one device command
+    return {name: tuple(cases.split(", ")) for _, name, _, cases in parts}
+
+
+def test_every_part_and_case_is_known():
+    parts = listed_parts()
+    assert list(parts) == ["tiny", "tiny-no-cuda-malloc", "big", "compile"]
+    assert parts["tiny"] == parts["tiny-no-cuda-malloc"] == TINY_CASES  # issue 29's twelve, on both allocators
+    assert parts["big"] == ("ulysses2", "tp2") and parts["compile"] == ("flux_ulysses2_compiled",)
+    assert set(SUBSET) | {"compile"} == set(parts)  # the CPU run below covers every part
+    for part, cases in SUBSET.items():
+        assert set(cases) <= set(parts[part])
+    # Every tiny case with code of its own runs in one of the tiny parts' subsets.
+    assert {"tp_after_ulysses", "lora_change", "two_models", "vae2", "text_encoder2", "killed_worker",
+            "interrupt"} <= set(SUBSET["tiny"]) | set(SUBSET["tiny-no-cuda-malloc"])
+
+    def refused(*args):
+        proc = subprocess.run([sys.executable, str(GPU_CHECK), "--cpu", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        return proc.stderr
+
+    assert "unknown part 'warp'" in refused("--part", "1,warp")
+    assert "unknown cases ['warp2']" in refused("--cases", "tiny=ulysses2,warp2")
+    assert "unknown cases ['vae2']" in refused("--part", "big", "--cases", "3=vae2")
+    # The wrapper: --list needs no ComfyUI, an unknown host is refused before anything is set up.
+    shell = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--list"], capture_output=True, text=True,
+                           timeout=60)
+    assert shell.returncode == 0 and "part 4 compile" in shell.stdout, shell.stderr
+    shell = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--host", "0.1", "--part", "1"],
+                           capture_output=True, text=True, timeout=60)
+    assert shell.returncode == 2 and "--host must be 0.3.75 or 0.33.0" in shell.stderr
+
+
+@pytest.mark.comfy_server
+def test_every_gpu_check_part_passes_on_cpu_ranks(tmp_path, comfyui_path):
+    cases = [f"--cases={part}={','.join(names)}" for part, names in SUBSET.items()]
+    proc = subprocess.run([sys.executable, str(GPU_CHECK), "--cpu", "--part", "all", *cases, "--big", "tiny",
+                           "--compile", "flux_smoke_ulysses2_compiled", "--out", str(tmp_path)],
+                          env=dict(os.environ, COMFYUI_PATH=comfyui_path), capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     report = json.loads((tmp_path / "results.json").read_text())
     rows = report["rows"]
     print(f"\nGPU check on CPU ranks: {len(rows)} cases in {report['seconds']} s")
-    assert len(rows) == len(CASES) + 1 and all(r["ok"] for r in rows)
+    assert all(r["ok"] for r in rows)
+    assert [p["part"] for p in report["parts"]] == ["tiny", "tiny-no-cuda-malloc", "big", "compile"]
+    by_part = {p: [r for r in rows if r["part"] == p] for p in SUBSET}
+    assert {p: len(rs) for p, rs in by_part.items()} == {p: len(c) for p, c in SUBSET.items()}
+    assert by_part["tiny"][-1]["case"] == "killed worker, then the next prompt"
+    assert by_part["tiny-no-cuda-malloc"][-1]["case"] == "interrupt"
+    big = by_part["big"][0]
+    assert big["case"] == "one-block Flux (bf16): Ulysses 2" and big["data"]["first_forward_s"] > 0
     compiled = rows[-1]  # issue 18's comparison, compiled against eager at one and two ranks
+    assert compiled["part"] == "compile"
     assert compiled["case"] == "compiled against eager: flux_smoke_ulysses2_compiled"
     assert compiled["data"]["compiles_per_rank"][1] > 0 and compiled["data"]["compile_speedup_ratio"] > 0
-    assert {"Wan USP 2x2 (4 ranks)", "killed worker, then the next prompt", "interrupt"} <= {r["case"] for r in rows}
-    assert "| Wan TP 2, LoRA strength changed | pass |" in proc.stdout  # the table for the README
+    # One PASS / FAIL line per case with its figure; one README row per part, both server flags used.
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("PASS [") for line in lines) == len(rows)
+    assert any(line.startswith("PASS [tiny] Wan TP 2, LoRA strength changed: rel L2 ") for line in lines)
+    summaries = [line for line in lines if line.startswith("SUMMARY | ")]
+    assert len(summaries) == 2 * len(report["parts"])  # as each part ends, and again at the end
+    for entry in report["parts"]:
+        row = entry["summary"]
+        assert re.fullmatch(r"\| \d{4}-\d\d-\d\d \| CPU .* \| ComfyUI \d+\.\d+\.\d+, `tools/gpu_check.sh --part \S+` "
+                            r"\(.*\) \| (\d+)/\1 passed in \d+ s; .* \|", row), row
+        assert f"SUMMARY {row}" in lines
+        assert f"ComfyUI {report['host']}, " in row
+    version = re.search(r'__version__ = "(.*)"', (Path(comfyui_path) / "comfyui_version.py").read_text())[1]
+    assert report["host"] == version
+    assert [p["comfyui_args"] for p in report["parts"]] == [[], ["--disable-cuda-malloc"], [], None]
+    assert all(p["allocator"] == "cpu" for p in report["parts"][:3])  # from ComfyUI's "Device:" log line
+    assert (tmp_path / "comfyui.log").exists() and (tmp_path / "comfyui_disable-cuda-malloc.log").exists()

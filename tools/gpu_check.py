@@ -1,22 +1,34 @@
 #!/usr/bin/env python
-"""The pack on a real GPU, through a real ComfyUI started on it (no --cpu).
+"""The pack on a real GPU, through a real ComfyUI started on it (no --cpu), in parts that each fit
+one 10-minute command of a lent GPU machine (under 8 minutes on an H100, estimated from the work
+each does; see docs/gpu_check.md).
 
 Several ranks share the one GPU through gloo (PARALLEL_SHARE_DEVICE=1, a test-only switch:
-NCCL refuses two ranks on one device). Every case runs through the HTTP API against its
-unsharded twin in the same server, with bf16 tolerances (ComfyUI runs these models in bf16 on
-a GPU): Wan Ulysses 2, Ring 2, CFG 2, TP 2, USP 2x2, TP after Ulysses on the same model, a
-LoRA strength change, two sharded models, Shard VAE 2, Shard Text Encoder 2, a killed worker
-and an interrupt. Then a Flux.1-dev-sized model (11.9B parameters, bf16, 4096 image + 512
-text tokens): the first sharded forward, rank 0's host memory growth and each rank's GPU
-memory, for Ulysses 2 and TP 2, against the targets of issue 15. Then torch.compile against
-eager (issue 18): bench/run.py's compiled scenario, eager and compiled at one rank and at two
-ranks sharing the device, timed in turn, in a process of its own.
+NCCL refuses two ranks on one device). Parts (``--part NAME|NUMBER[,...]``, ``--list`` names them
+and their cases):
 
-Run by ``tools/gpu_check.sh`` (which finds or sets up the host). ``--cpu`` runs the same cases
-on CPU ranks with fp32 tolerances (the tests run a few that way, so this script cannot rot);
-``--big tiny`` puts a one-block Flux in place of the Flux.1-dev-sized one; ``--compile`` names the
-benchmark scenario of the compiled comparison (``none`` skips it). Prints a Markdown
-table (the README's GPU table takes it) and writes ``out/gpu_check/results.json``.
+1. ``tiny``: every tiny case through the HTTP API against its unsharded twin in the same server,
+   with bf16 tolerances (ComfyUI runs these models in bf16 on a GPU): Wan Ulysses 2, Ring 2,
+   CFG 2, TP 2, USP 2x2, TP after Ulysses on the same model, a LoRA strength change, two sharded
+   models, Shard VAE 2, Shard Text Encoder 2, a killed worker and an interrupt; ComfyUI on its
+   default allocator (``cudaMallocAsync`` on most NVIDIA set-ups, which cannot export CUDA IPC
+   handles).
+2. ``tiny-no-cuda-malloc``: the same cases, ComfyUI started with ``--disable-cuda-malloc``
+   (PyTorch's native allocator, which can).
+3. ``big``: a Flux.1-dev-sized model (11.9B parameters, bf16, 4096 image + 512 text tokens): the
+   first sharded forward, rank 0's host memory growth and each rank's weights and GPU memory, for
+   Ulysses 2 and TP 2, against issue 15's targets.
+4. ``compile``: torch.compile against eager (issue 18): bench/run.py's compiled scenario, eager
+   and compiled at one rank and at two ranks sharing the device, timed in turn, in a process of
+   its own.
+
+Run by ``tools/gpu_check.sh`` (which picks the ComfyUI host: ``--host 0.3.75|0.33.0``). Each case
+prints one ``PASS`` / ``FAIL`` line with its figure, each part one ``SUMMARY | ... |`` line in the
+form of a row of the README's GPU table. ``--cpu`` runs the same parts on CPU ranks with fp32
+tolerances (the tests run every part that way, so this script cannot rot); ``--big tiny`` puts a
+one-block Flux at 64x64 pixels in place of the Flux.1-dev-sized one (the CPU default);
+``--compile`` names the benchmark scenario of the compiled comparison. Writes ``results.json``
+(and ComfyUI's logs) under ``--out``; the model files go under ``--work``.
 """
 from __future__ import annotations
 
@@ -56,6 +68,15 @@ class Row:
     rel_l2: float | None = None
     note: str = ""
     data: dict = field(default_factory=dict)
+    part: str = ""
+    figure: str = ""  # the case's figure for its PASS / FAIL line; default: the errors
+
+    def figure_text(self) -> str:
+        if self.figure:
+            return self.figure
+        if self.rel_l2 is not None:
+            return f"rel L2 {self.rel_l2:.1e}, max abs {self.max_abs:.1e}"
+        return "-"
 
 
 class Check:
@@ -201,6 +222,8 @@ class Check:
         row = self.compare("killed worker, then the next prompt", again, ref,
                            f"error after {took:.1f} s naming rank 1; next prompt on fresh workers")
         row.ok = row.ok and "rank 1" in message and took < 60 and self.status()["ranks"][1]["pid"] != victim["pid"]
+        row.figure = f"error after {took:.1f} s, next prompt rel L2 {row.rel_l2:.1e}"
+        row.data["error_after_s"] = round(took, 1)
         return row
 
     def case_interrupt(self):
@@ -227,21 +250,42 @@ class Check:
         self.server.run(edited(prompt, KSampler={"seed": 114, "steps": 2}), timeout=600)
         same = [r["pid"] for r in self.status()["ranks"]] == pids
         return Row("interrupt", idle < 5 and same, note=f"every rank idle {idle:.1f} s after Cancel; "
-                                                        f"workers kept: {same}")
+                                                        f"workers kept: {same}",
+                   figure=f"idle {idle:.1f} s after Cancel", data={"idle_s": round(idle, 1)})
 
     TINY_CASES = ("ulysses2", "ring2", "cfg2", "tp2", "usp2x2", "tp_after_ulysses", "lora_change", "two_models",
                   "vae2", "text_encoder2", "killed_worker", "interrupt")
 
 
 # ---------------------------------------------------------------- the big model
-def big_prompt(unet: str, parallel: dict | None) -> dict:
-    """UNETLoader -> (Shard Transformer) -> KSampler, one step at 1024x1024 (4096 image tokens,
-    512 text tokens from a stored conditioning), cfg 1: one forward per step."""
+@dataclass(frozen=True)
+class BigSize:
+    label: str
+    file: str
+    depths: tuple[int, int]  # double, single blocks
+    side: int  # image pixels per side (Flux: (side / 16)^2 image tokens)
+    text_tokens: int
+
+
+BIG_SIZES = {
+    # 11.9B parameters, 4096 image + 512 text tokens: what issue 15's targets are for.
+    "dev": BigSize("Flux.1-dev-sized (11.9B, bf16)", "flux_dev_sized.safetensors", (19, 38), 1024, 512),
+    # The smallest Flux UNETLoader detects (0.5B), on 16 + 16 tokens: the CPU subset of the part.
+    "tiny": BigSize("one-block Flux (bf16)", "flux_one_block.safetensors", (1, 1), 64, 16),
+}
+BIG_CASES = ("ulysses2", "tp2")
+BIG_MODES = {"ulysses2": ("Ulysses 2", {"ulysses_size": 2}), "tp2": ("TP 2", {"tp_size": 2})}
+
+
+def big_prompt(unet: str, parallel: dict | None, size: BigSize) -> dict:
+    """UNETLoader -> (Shard Transformer) -> KSampler, one step (4096 image tokens at 1024x1024,
+    512 text tokens from a stored conditioning for the dev size), cfg 1: one forward per step."""
     p = {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
-        "2": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": "big_prompt"}},
+        "2": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": f"big_prompt_{size.text_tokens}"}},
         "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 1]}},
-        "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
+        "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": size.side, "height": size.side,
+                                                               "batch_size": 1}},
         "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "seed": 5, "steps": 1, "cfg": 1.0,
                                                    "sampler_name": "euler", "scheduler": "simple", "positive": ["2", 1],
                                                    "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}},
@@ -254,30 +298,31 @@ def big_prompt(unet: str, parallel: dict | None) -> dict:
     return p
 
 
-def write_big_files(base: Path, size: str, device: str) -> tuple[str, int]:
-    """The Flux file (drawn on ``device``) and a 512-token T5-XXL-wide prompt with a CLIP-L pooled vector."""
+def write_big_files(base: Path, size: BigSize, device: str) -> tuple[str, int]:
+    """The Flux file (drawn on ``device``) and a T5-XXL-wide prompt with a CLIP-L pooled vector."""
     import torch
     from safetensors.torch import save_file
 
-    from tiny_models import flux1_state_dict, write_conditioning_dataset
+    from tiny_models import flux1_state_dict, saved_dataset, write_conditioning_dataset
 
-    name = "flux_dev_sized.safetensors" if size == "dev" else "flux_one_block.safetensors"
-    path = base / "models" / "diffusion_models" / name
+    path = base / "models" / "diffusion_models" / size.file
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        depths = (19, 38) if size == "dev" else (1, 1)
-        sd = flux1_state_dict(seed=21, depth=depths[0], depth_single=depths[1], text_dim=4096, pooled_dim=768,
-                              dtype=torch.bfloat16, device=device)
+        sd = flux1_state_dict(seed=21, depth=size.depths[0], depth_single=size.depths[1], text_dim=4096,
+                              pooled_dim=768, dtype=torch.bfloat16, device=device)
         save_file(sd, str(path.with_suffix(".partial")))
         del sd
         os.replace(path.with_suffix(".partial"), path)
         print(f"[gpu_check] wrote {path.name} in {time.monotonic() - started:.0f} s", flush=True)
-    if not (base / "datasets" / "big_prompt" / "shard_0000.pkl").exists():
+    dataset = f"big_prompt_{size.text_tokens}"
+    try:
+        saved_dataset(base, dataset)
+    except FileNotFoundError:
         gen = torch.Generator().manual_seed(22)
-        write_conditioning_dataset(base, "big_prompt", torch.randn(1, 512, 4096, generator=gen) * 0.5,
+        write_conditioning_dataset(base, dataset, torch.randn(1, size.text_tokens, 4096, generator=gen) * 0.5,
                                    extra={"pooled_output": torch.randn(1, 768, generator=gen), "guidance": 3.5})
-    return name, tensor_bytes(path)
+    return size.file, tensor_bytes(path)
 
 
 def tensor_bytes(path: Path) -> int:
@@ -288,15 +333,17 @@ def tensor_bytes(path: Path) -> int:
                for start, end in [info["data_offsets"]])
 
 
-def big_model(check: Check, size: str) -> list[Row]:
+def big_model(check: Check, size_name: str, cases=BIG_CASES) -> list[Row]:
     """First sharded forward, rank 0's host memory growth, each rank's GPU memory: Ulysses 2 and TP 2."""
+    size = BIG_SIZES[size_name]
     unet, model_bytes = write_big_files(check.server.base_dir, size, "cuda" if check.gpu else "cpu")
-    label = "Flux.1-dev-sized (11.9B, bf16)" if size == "dev" else "one-block Flux (bf16)"
     rows = []
-    ref = check.latent(big_prompt(unet, None))
+    ref = check.latent(big_prompt(unet, None, size))
     rss_before = check.status()["ranks"][0]["rss_bytes"]
-    for mode, sizes in (("Ulysses 2", {"ulysses_size": 2}), ("TP 2", {"tp_size": 2})):
-        out = check.latent(big_prompt(unet, check.parallel(**sizes)))
+    for name in cases:
+        mode, sizes = BIG_MODES[name]
+        t0 = time.monotonic()
+        out = check.latent(big_prompt(unet, check.parallel(**sizes), size))
         info = check.status()
         ranks = info["ranks"]
         growth = (ranks[0]["rss_bytes"] - rss_before) / GIB
@@ -307,33 +354,44 @@ def big_model(check: Check, size: str) -> list[Row]:
         note = (f"first sharded forward {first} s, weights sent by {info.get('transport')} in {send} s; rank 0 RSS "
                 f"{growth:+.2f} GiB; weights per rank {', '.join(f'{w:.3f}' for w in weights)} of the model; "
                 f"GPU allocated per rank {', '.join('-' if g is None else f'{g / GIB:.1f} GiB' for g in gpu)}")
-        row = check.compare(f"{label}: {mode}", out, ref, note, first_forward_s=first, weight_send_s=send,
-                            rss_growth_gib=growth, weights_per_rank=weights, gpu_allocated=gpu)
-        if size == "dev":  # the targets are for the real size
+        row = check.compare(f"{size.label}: {mode}", out, ref, note, first_forward_s=first, weight_send_s=send,
+                            rss_growth_gib=growth, weights_per_rank=weights, gpu_allocated=gpu,
+                            transport=info.get("transport"))
+        row.figure = (f"first sharded forward {first} s, rank 0 RSS {growth:+.2f} GiB, largest rank "
+                      f"{max(weights):.3f} of the model, rel L2 {row.rel_l2:.1e}")
+        if size_name == "dev":  # the targets are for the real size
             row.ok = row.ok and first is not None and first <= TARGETS["first_forward_s"] and \
                 growth <= TARGETS["rss_growth_gib"]
-            if mode == "TP 2":
+            if name == "tp2":
                 row.ok = row.ok and max(weights) <= TARGETS["tp2_largest_weights"]
+        row.data["seconds"] = round(time.monotonic() - t0, 1)
         rows.append(row)
     return rows
 
 
 # ---------------------------------------------------------------- compiled against eager
+COMPILE_TIMEOUT_S = 420  # the part's budget (8 minutes) less ComfyUI-free start-up and the report
+
+
 def compiled_comparison(scenario: str, out: Path, gpu: bool) -> list[Row]:
     """bench/run.py's compiled scenario on this device (two ranks share one GPU through gloo): the
     gain compiling gives at world size 2 against the one it gives at world size 1 (issue 18's
     criterion on the CPU: at least 0.95), every rank without recompiles, compiled + sharded equal
     to eager on one rank. A process of its own: it runs ComfyUI's model code on the device."""
-    label = f"compiled against eager ({scenario})"
+    label = f"compiled against eager: {scenario}"
     out.mkdir(parents=True, exist_ok=True)
     records = out / "compile.jsonl"
     records.unlink(missing_ok=True)
     env = dict(os.environ, PARALLEL_SHARE_DEVICE="1") if gpu else dict(os.environ)
     cmd = [sys.executable, "-u", str(REPO / "bench" / "run.py"), "--scenario", scenario,
            "--device", "cuda" if gpu else "cpu", "--out", str(records)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [Row(label, False, note=f"bench/run.py ran past {COMPILE_TIMEOUT_S} s", figure="timed out")]
     if proc.returncode != 0 or not records.exists():
-        return [Row(label, False, note=f"bench/run.py failed ({proc.returncode}): {proc.stderr.strip()[-300:]}")]
+        return [Row(label, False, note=f"bench/run.py failed ({proc.returncode}): {proc.stderr.strip()[-300:]}",
+                    figure=f"exit {proc.returncode}")]
     rows = []
     tol = 3e-2 if gpu else 1e-5
     for line in records.read_text().splitlines():
@@ -346,8 +404,75 @@ def compiled_comparison(scenario: str, out: Path, gpu: bool) -> list[Row]:
                 f"{ratio:.2f} ({'meets' if ratio >= 0.95 else 'below'} the CPU target 0.95); first compiled "
                 f"step {r['first_compiled_step_s']} s; recompiles per rank {r['recompiles_per_rank']}; "
                 f"max rel err {r['max_rel_err']:.1e}")
-        rows.append(Row(f"compiled against eager: {r['scenario']}", ok, r["max_abs_err"], None, note, data=r))
+        figure = (f"gain 2 ranks / 1 rank {ratio:.2f}, recompiles {sum(r['recompiles_per_rank'])}, "
+                  f"max rel err {r['max_rel_err']:.1e}")
+        rows.append(Row(f"compiled against eager: {r['scenario']}", ok, r["max_abs_err"], None, note, data=r,
+                        figure=figure))
     return rows
+
+
+# ---------------------------------------------------------------- the parts
+@dataclass(frozen=True)
+class Part:
+    number: int
+    name: str
+    title: str
+    minutes: float  # estimated on an H100, start-up of ComfyUI and its ranks included
+    server_args: tuple[str, ...] | None  # ComfyUI's flags; None: the part starts no ComfyUI
+    cases: tuple[str, ...]
+
+
+PARTS = (
+    Part(1, "tiny", "tiny cases, ComfyUI's default allocator", 3, (), Check.TINY_CASES),
+    Part(2, "tiny-no-cuda-malloc", "tiny cases, ComfyUI started with --disable-cuda-malloc", 3,
+         ("--disable-cuda-malloc",), Check.TINY_CASES),
+    Part(3, "big", "Flux.1-dev-sized targets (Ulysses 2, TP 2)", 5, (), BIG_CASES),
+    Part(4, "compile", "compiled against eager", 4, None, ("flux_ulysses2_compiled",)),
+)
+PART_LIMIT_S = 8 * 60  # each part must fit one 10-minute command of a lent GPU machine, with room
+
+
+def part_by_key(key: str) -> Part:
+    for part in PARTS:
+        if key.strip() in (part.name, str(part.number)):
+            return part
+    raise KeyError(key)
+
+
+def parse_parts(spec: str) -> list[Part]:
+    """``all`` or a comma-separated list of part names or numbers, run in their order (1 to 4)."""
+    if spec.strip() == "all":
+        return list(PARTS)
+    chosen = {part_by_key(key).number for key in spec.split(",") if key.strip()}
+    return [part for part in PARTS if part.number in chosen]
+
+
+def parse_cases(specs: list[str], parts: list[Part]) -> dict[str, tuple[str, ...]]:
+    """``--cases [PART=]CASE,CASE``: without a part, for every part with tiny cases (1 and 2)."""
+    chosen: dict[str, tuple[str, ...]] = {}
+    for spec in specs:
+        target, _, names = spec.rpartition("=")
+        if target:
+            targets = [part_by_key(target)]
+        else:
+            targets = [p for p in PARTS if p.cases == Check.TINY_CASES]
+        names = tuple(c for c in names.split(",") if c)
+        for part in targets:
+            if part.name == "compile":
+                raise ValueError("part compile runs one benchmark scenario: name it with --compile")
+            unknown = [c for c in names if c not in part.cases]
+            if unknown:
+                raise ValueError(f"unknown cases {unknown} for part {part.name}; choose from {', '.join(part.cases)}")
+            chosen[part.name] = names
+    return {part.name: chosen.get(part.name, part.cases) for part in parts}
+
+
+def list_parts() -> str:
+    lines = []
+    for part in PARTS:
+        lines.append(f"part {part.number} {part.name}: {part.title} (about {part.minutes:g} min on an H100)")
+        lines.append(f"  cases: {', '.join(part.cases)}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- main
@@ -360,34 +485,128 @@ def device_name(gpu: bool) -> str:
     return f"{props.name} ({props.total_memory / GIB:.0f} GiB), torch {torch.__version__}"
 
 
+def host_version(comfyui: str) -> str:
+    try:
+        text = (Path(comfyui) / "comfyui_version.py").read_text()
+        return text.split("__version__", 1)[1].split('"')[1]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def allocator(log_path: Path) -> str:
+    """What ComfyUI says it computes on ("Device: cuda:0 NVIDIA H100 ... : cudaMallocAsync")."""
+    try:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if "Device: " in line]
+    except OSError:
+        return "unknown"
+    if not lines:
+        return "unknown"
+    device = lines[-1].split("Device: ", 1)[1].strip()
+    return device.rsplit(" : ", 1)[1] or "default" if " : " in device else device
+
+
 def table(rows: list[Row]) -> str:
-    lines = ["| case | result | max abs err | rel L2 err | notes |", "|---|---|---|---|---|"]
+    lines = ["| part | case | result | max abs err | rel L2 err | notes |", "|---|---|---|---|---|---|"]
     for r in rows:
         fmt = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
-        lines.append(f"| {r.case} | {'pass' if r.ok else 'FAIL'} | {fmt(r.max_abs)} | {fmt(r.rel_l2)} | {r.note} |")
+        lines.append(f"| {r.part} | {r.case} | {'pass' if r.ok else 'FAIL'} | {fmt(r.max_abs)} | {fmt(r.rel_l2)} | "
+                     f"{r.note} |")
     return "\n".join(lines)
+
+
+def key_figures(part: Part, rows: list[Row], alloc: str | None) -> str:
+    figures = []
+    if alloc:
+        figures.append(f"allocator {alloc}")
+    if part.server_args is not None and part.name != "big":
+        compared = [r for r in rows if r.rel_l2 is not None]
+        if compared:
+            worst = max(compared, key=lambda r: r.rel_l2)
+            figures.append(f"worst rel L2 {worst.rel_l2:.1e} ({worst.case})")
+        transports = sorted({str(r.data["transport"]) for r in rows if r.data.get("transport")})
+        if transports:
+            figures.append(f"weights by {', '.join(transports)}")
+        figures += [f"{r.case}: {r.figure_text()}" for r in rows if r.case in ("interrupt",)
+                    or r.case.startswith("killed worker")]
+    else:
+        figures += [f"{r.case}: {r.figure_text()}" for r in rows]
+    figures += [f"FAIL {r.case}" for r in rows if not r.ok and f"{r.case}:" not in "; ".join(figures)]
+    return "; ".join(figures)
+
+
+def summary_row(report: dict, part: Part, rows: list[Row], seconds: float, alloc: str | None) -> str:
+    """One row of the README's GPU table: | date | device | what | result |."""
+    passed = sum(r.ok for r in rows)
+    what = f"ComfyUI {report['host']}, `tools/gpu_check.sh --part {part.name}` ({part.title})"
+    over = f", over the {PART_LIMIT_S // 60}-minute budget" if seconds > PART_LIMIT_S else ""
+    result = f"{passed}/{len(rows)} passed in {seconds:.0f} s{over}; {key_figures(part, rows, alloc)}"
+    return f"| {report['date']} | {report['device']} | {what} | {result} |"
+
+
+def save(out: Path, report: dict, rows: list[Row], started: float) -> None:
+    """results.json, after every case: a command stopped at the device's 10-minute limit still leaves
+    what ran."""
+    report["seconds"] = round(time.monotonic() - started)
+    report["rows"] = [asdict(r) for r in rows]
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+
+
+def print_row(row: Row) -> None:
+    print(f"{'PASS' if row.ok else 'FAIL'} [{row.part}] {row.case}: {row.figure_text()} "
+          f"({row.data.get('seconds', '-')} s){' ' + row.note if row.note else ''}", flush=True)
+
+
+def run_case(row_of, part: Part, label: str) -> Row:
+    t0 = time.monotonic()
+    try:
+        row = row_of()
+    except Exception as exc:  # one case's failure is a row, not the end of the check
+        row = Row(label, False, note=f"{type(exc).__name__}: {str(exc)[:300]}", figure=type(exc).__name__)
+        traceback.print_exc()
+    row.part = part.name
+    row.data.setdefault("seconds", round(time.monotonic() - t0, 1))
+    print_row(row)
+    return row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", default="all",
+                        help="comma-separated part names or numbers, or all: "
+                             + ", ".join(f"{p.number} {p.name}" for p in PARTS))
+    parser.add_argument("--list", action="store_true", help="list the parts and their cases, and exit")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks and fp32 tolerances (a dry run of this script)")
-    parser.add_argument("--cases", default="all", help=f"comma-separated, of: {', '.join(Check.TINY_CASES)}")
+    parser.add_argument("--cases", action="append", default=[],
+                        help=f"[PART=]CASE,CASE (repeatable); without PART for both tiny parts, of: "
+                             f"{', '.join(Check.TINY_CASES)}; big: {', '.join(BIG_CASES)}")
     parser.add_argument("--big", choices=("dev", "tiny", "none"), default=None,
-                        help="the big-model section: Flux.1-dev-sized (default on a GPU), one block, or none "
-                             "(default on the CPU)")
+                        help="part big's model: Flux.1-dev-sized (default on a GPU), one block at 64x64 (default on "
+                             "the CPU), or none (leaves the part out)")
     parser.add_argument("--compile", default=None,
-                        help="the benchmark scenario of the compiled comparison (default on a GPU: "
-                             "flux_ulysses2_compiled; on the CPU: none)")
-    parser.add_argument("--out", default=str(REPO / "out" / "gpu_check"))
+                        help="the benchmark scenario of part compile (default on a GPU: flux_ulysses2_compiled; on "
+                             "the CPU: flux_smoke_ulysses2_compiled); none leaves the part out")
+    parser.add_argument("--out", default=str(REPO / "out" / "gpu_check"), help="results.json and the logs")
+    parser.add_argument("--work", default=None, help="ComfyUI's base directory with the model files "
+                                                     "(default: OUT/base; the dev-sized Flux takes 24 GB)")
     opts = parser.parse_args()
+    if opts.list:
+        print(list_parts())
+        return 0
     gpu = not opts.cpu
-    cases = Check.TINY_CASES if opts.cases == "all" else tuple(c for c in opts.cases.split(",") if c)
-    unknown = [c for c in cases if c not in Check.TINY_CASES]
-    if unknown:
-        parser.error(f"unknown cases {unknown}; choose from {', '.join(Check.TINY_CASES)}")
-    big = opts.big or ("dev" if gpu else "none")
+    try:
+        parts = parse_parts(opts.part)
+        cases = parse_cases(opts.cases, parts)
+    except KeyError as exc:
+        parser.error(f"unknown part {exc}; choose from {', '.join(f'{p.number} {p.name}' for p in PARTS)} or all")
+    except ValueError as exc:
+        parser.error(str(exc))
+    big = opts.big or ("dev" if gpu else "tiny")
+    scenario = opts.compile or ("flux_ulysses2_compiled" if gpu else "flux_smoke_ulysses2_compiled")
+    parts = [p for p in parts if not (p.name == "big" and big == "none")
+             and not (p.name == "compile" and scenario == "none")]
     out = Path(opts.out)
-    base = out / "base"
+    base = Path(opts.work) if opts.work else out / "base"
+    out.mkdir(parents=True, exist_ok=True)
     comfyui = comfyui_path("run the check with tools/gpu_check.sh (it finds or sets up the host)")
     sys.path.insert(0, comfyui)
     import comfy.options  # noqa: F401
@@ -396,50 +615,81 @@ def main() -> int:
     comfy.cli_args.args.cpu = True  # this driver only writes files; ComfyUI runs in its own process
     from tiny_models import DEMO_FILES, write_tiny_wan_files
 
-    write_tiny_wan_files(base, only=(*DEMO_FILES, "unet_4heads", "t5_base"))
-    env = {"PARALLEL_SHARE_DEVICE": "1"} if gpu else {}
+    report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(gpu), "host": host_version(comfyui),
+              "targets": TARGETS, "parts": [], "rows": []}
+    print(f"[gpu_check] ComfyUI {report['host']} at {comfyui}; {report['device']}; parts "
+          f"{', '.join(p.name for p in parts)}", flush=True)
     started = time.monotonic()
+    servers: dict[tuple[str, ...], ComfyServer] = {}
     rows: list[Row] = []
-    server = ComfyServer(comfyui, base, python=sys.executable, cpu=not gpu, env=env,
-                         log_path=out / "comfyui.log").start(timeout=600)
+    env = {"PARALLEL_SHARE_DEVICE": "1"} if gpu else {}
     try:
-        check = Check(server, gpu)
-        for name in cases:
-            t0 = time.monotonic()
-            try:
-                row = getattr(check, f"case_{name}")()
-            except Exception as exc:  # one case's failure is a row, not the end of the check
-                row = Row(name, False, note=f"{type(exc).__name__}: {str(exc)[:300]}")
-                traceback.print_exc()
-            row.data["seconds"] = round(time.monotonic() - t0, 1)
-            print(f"[gpu_check] {row.case}: {'pass' if row.ok else 'FAIL'} ({row.data['seconds']} s) {row.note}",
-                  flush=True)
-            rows.append(row)
-        if big != "none":
-            try:
-                rows.extend(big_model(check, big))
-            except Exception as exc:
-                rows.append(Row(f"big model ({big})", False, note=f"{type(exc).__name__}: {str(exc)[:300]}"))
-                traceback.print_exc()
+        for index, part in enumerate(parts):
+            t_part = time.monotonic()
+            part_rows: list[Row] = []
+            alloc = None
+            if part.server_args is not None:
+                args = part.server_args
+                if args not in servers:
+                    if not servers and any(p.cases == Check.TINY_CASES for p in parts):
+                        write_tiny_wan_files(base, only=(*DEMO_FILES, "unet_4heads", "t5_base"))
+                    log_name = "comfyui" + "".join(a.replace("--", "_") for a in args) + ".log"
+                    servers[args] = ComfyServer(comfyui, base, python=sys.executable, cpu=not gpu, env=env,
+                                                extra_args=args, log_path=out / log_name).start(timeout=300)
+                server = servers[args]
+                check = Check(server, gpu)
+                if part.name == "big":
+                    rows_t0 = time.monotonic()
+                    try:
+                        part_rows = big_model(check, big, cases[part.name])
+                    except Exception as exc:
+                        part_rows = [Row(f"{BIG_SIZES[big].label}", False, figure=type(exc).__name__,
+                                         note=f"{type(exc).__name__}: {str(exc)[:300]}",
+                                         data={"seconds": round(time.monotonic() - rows_t0, 1)})]
+                        traceback.print_exc()
+                    for row in part_rows:
+                        row.part = part.name
+                        print_row(row)
+                else:
+                    for name in cases[part.name]:
+                        part_rows.append(run_case(getattr(check, f"case_{name}"), part, name))
+                        try:  # how the weights travelled (the status route names the channel)
+                            part_rows[-1].data.setdefault("transport", check.status().get("transport"))
+                        except Exception:
+                            pass
+                        save(out, report, rows + part_rows, started)
+                alloc = allocator(server.log_path)
+                if not any(args == p.server_args for p in parts[index + 1:]):  # its last part: free the device
+                    servers.pop(args).stop()
+            else:  # after the servers of earlier parts: their ranks no longer hold the device
+                for args in list(servers):
+                    servers.pop(args).stop()
+                t0 = time.monotonic()
+                part_rows = compiled_comparison(scenario, out, gpu)
+                for row in part_rows:
+                    row.part = part.name
+                    row.data.setdefault("seconds", round(time.monotonic() - t0, 1))
+                    print_row(row)
+            seconds = time.monotonic() - t_part
+            line = summary_row(report, part, part_rows, seconds, alloc)
+            print(f"SUMMARY {line}", flush=True)
+            report["parts"].append({"part": part.name, "number": part.number, "seconds": round(seconds),
+                                    "passed": sum(r.ok for r in part_rows), "total": len(part_rows),
+                                    "allocator": alloc, "comfyui_args": None if part.server_args is None
+                                    else list(part.server_args), "summary": line})
+            rows += part_rows
+            save(out, report, rows, started)
     finally:
-        server.stop()
-    compile_scenario = opts.compile or ("flux_ulysses2_compiled" if gpu else "none")
-    if compile_scenario != "none":  # after the server: its ranks no longer hold the device
-        t0 = time.monotonic()
-        for row in compiled_comparison(compile_scenario, out, gpu):
-            row.data["seconds"] = round(time.monotonic() - t0, 1)
-            print(f"[gpu_check] {row.case}: {'pass' if row.ok else 'FAIL'} ({row.data['seconds']} s) {row.note}",
-                  flush=True)
-            rows.append(row)
-    report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(gpu), "seconds": round(time.monotonic() - started),
-              "targets": TARGETS, "rows": [asdict(r) for r in rows]}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    print(f"\n{report['date']}, {report['device']}, {report['seconds']} s\n")
+        for server in servers.values():
+            server.stop()
+    save(out, report, rows, started)
+    print(f"\n{report['date']}, {report['device']}, ComfyUI {report['host']}, {report['seconds']} s\n")
     print(table(rows))
     failed = [r.case for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    for entry in report["parts"]:
+        print(f"SUMMARY {entry['summary']}")
+    return 1 if failed or not rows else 0
 
 
 if __name__ == "__main__":
