@@ -8,7 +8,8 @@ node keep it too), with a ``Sharding`` attachment. It changes three things:
   weights and their version come from). With tensor parallelism the sharded subtrees are left
   out of ComfyUI's loading: their full weights stay where ComfyUI offloads models, and the
   runtime cuts every rank's slices from them layer by layer, patched, so rank 0's device
-  holds only its own shard.
+  holds only its own shard. Where an earlier unsharded run left them on the device, they are
+  cut from there and leave it a tensor at a time during the send.
 - ``model_size``: ComfyUI's memory manager is told what rank 0's device really holds (with
   TP: the rest of the model plus rank 0's shard) and frees that much room before loading.
 - ``detach``: when ComfyUI unloads the model (a model switch, ``/free``, low memory), every
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comfy_weights import WeightSource
+from .comfy_weights import WeightSource, leave_device_after_cut
 
 log = logging.getLogger("parallel")
 
@@ -134,7 +135,9 @@ class ShardedPatcherMixin:
                                    full_load=full_load, **kwargs)
             for subtree in subtrees:
                 if self.offload_device != device_to and _on_device(subtree, device_to):
-                    subtree.to(self.offload_device)  # ComfyUI's loader may have put the model on the device
+                    # An unsharded run loaded it on the device: the weight send cuts each tensor
+                    # from there and then moves it off, one at a time (comfy_weights).
+                    leave_device_after_cut(subtree, self.offload_device)
             if self.model.model_lowvram:  # a partial load counted the loaded modules only
                 self.model.model_loaded_weight_memory += sharding.rank0_bytes
             # True: the sharded weights are not on the device, so a clone of this model that runs

@@ -39,6 +39,48 @@ def worker_module_state(module: torch.nn.Module, state: dict) -> dict:
     return state
 
 
+# Sharded modules whose full weights ComfyUI left on rank 0's device (an unsharded or
+# context-parallel run of the same model loaded them there) while tensor parallelism wants them
+# off it: module -> where ComfyUI offloads the model. The weight send cuts each tensor from the
+# device and moves that tensor to the offload device right after (``offload_tensor``), one at a
+# time, instead of a whole-subtree ``.to()`` through pageable memory before the send.
+_LEAVE_DEVICE: "weakref.WeakKeyDictionary[torch.nn.Module, torch.device]" = weakref.WeakKeyDictionary()
+
+
+def leave_device_after_cut(module: torch.nn.Module, offload_device) -> None:
+    _LEAVE_DEVICE[module] = torch.device(offload_device)
+
+
+def offload_target(module: torch.nn.Module) -> torch.device | None:
+    """Where ``module``'s full weights go once cut, if they are to leave the device."""
+    return _LEAVE_DEVICE.get(module)
+
+
+def offload_tensor(owner: torch.nn.Module, leaf: str, device: torch.device) -> None:
+    """Move one parameter or buffer of ``owner`` to ``device`` in place (the Parameter object stays)."""
+    if leaf in owner._parameters and owner._parameters[leaf] is not None:
+        param = owner._parameters[leaf]
+        if param.device != device:
+            moved = param.data.to(device)
+            if torch._has_compatible_shallow_copy_type(param, moved):  # as Module.to does
+                param.data = moved
+            else:
+                owner._parameters[leaf] = torch.nn.Parameter(moved, requires_grad=param.requires_grad)
+    elif leaf in owner._buffers and owner._buffers[leaf] is not None:
+        if owner._buffers[leaf].device != device:
+            owner._buffers[leaf] = owner._buffers[leaf].to(device)
+
+
+def finish_offload(module: torch.nn.Module) -> None:
+    """Whatever of ``module`` is still off its offload device goes there, a tensor at a time (the
+    weights did not need sending: the ranks held this version already)."""
+    target = _LEAVE_DEVICE.pop(module, None)
+    if target is None:
+        return
+    for name, owner in owners(module).items():
+        offload_tensor(owner, name.rsplit(".", 1)[-1], target)
+
+
 class WeightSource:
     """The ModelPatcher a module was loaded by, and the module's key prefix in its model."""
 

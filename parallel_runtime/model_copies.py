@@ -162,6 +162,7 @@ class ModelCopies:
         version = (tp, source.version() if source is not None else ("as given",))
         found = self._copies.get(module)
         if found is not None and found.version == version:
+            comfy_weights.finish_offload(module)  # held already: the full weights still leave the device
             return found.key, found.run_module or module
         check_plan_matches(module, plan)
         if source is not None:
@@ -176,6 +177,7 @@ class ModelCopies:
             run_module = self._send_shared(module, plan, source, key, tp, coords)
         else:
             run_module = self._send_stream(module, plan, source, key, tp, coords)
+        comfy_weights.finish_offload(module)  # what the stream did not move (packed tensors, the shared path)
         deadline = time.monotonic() + world.startup_timeout
         for w in world.workers:
             world.expect(w, "loaded", deadline)
@@ -271,7 +273,21 @@ class ModelCopies:
         weight_of = self._weight_of(module, source, device)
         dequantize = self._dequantize(module, source)
 
+        offload = comfy_weights.offload_target(module) if tp > 1 else None
+        owner_of = comfy_weights.owners(module) if offload is not None else {}
+
         def weight(i):
+            w = source_weight(i)
+            t = tensors[i]
+            name = names.get(id(t))
+            if offload is not None and i not in parts and i not in packed and id(t) not in forms and name in owner_of:
+                # Cut from the device where ComfyUI left it; the module's own tensor leaves the device
+                # now, while this bucket still reads the device data (a detached alias of it).
+                w = w.detach() if w is t else w
+                comfy_weights.offload_tensor(owner_of[name], name.rsplit(".", 1)[-1], offload)
+            return w
+
+        def source_weight(i):
             t = tensors[i]
             if i in parts:  # the whole quantized tensor, as the forward uses it: its entry cuts it
                 return weight_of(names.get(id(t)), t)
@@ -285,7 +301,7 @@ class ModelCopies:
             return weight_of(name, t)
 
         kept = weight_stream.send(entries, weight, self._channel(), device, tp, coords,
-                                  keep_coord=coords[0] if tp > 1 else None)
+                                  keep_coord=coords[0] if tp > 1 else None, bucket_bytes=weight_stream.BUCKET_BYTES)
         if tp == 1:
             return module
         shard = finish_shard(transport.unpack_skeleton(data, kept), plan.tensor_parallel, coords[0], tp)

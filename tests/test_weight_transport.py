@@ -293,3 +293,44 @@ def test_a_node_pack_module_loads_without_the_pack_init_until_something_needs_it
     assert marker.read_text() == "xy"
     with pytest.raises(ModuleNotFoundError):
         transport.import_module(str(other).replace(".", "_x_") + ".missing")
+
+
+def test_tp_cuts_each_tensor_where_comfyui_left_it_and_moves_it_off_one_at_a_time(comfyui_path, monkeypatch):
+    """TP after an unsharded run of the same model (issue 29): ComfyUI left the full weights on
+    rank 0's device. They are cut from there and each tensor leaves for the offload device right
+    after its cut, during the send, not in one whole-model move through pageable memory before it.
+    Here the offload device is ``meta`` (a stand-in: on the CPU there is no second device) so that
+    every move is visible."""
+    from parallel_runtime import comfy_weights, weight_stream
+
+    model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=9, text_dim=TEXT_DIM)
+    args = wan_inputs(seed=2)
+    ref = reference(model, args)
+    plan = find_plan(model)
+    expected = {c: {name: tensor_digest(t) for name, t in named_tensors(build_shard(model, plan.tensor_parallel, c, 2))}
+                for c in range(2)}
+    events = []
+    offload_tensor = comfy_weights.offload_tensor
+    monkeypatch.setattr(comfy_weights, "offload_tensor",
+                        lambda owner, leaf, device: events.append("moved") or offload_tensor(owner, leaf, device))
+    send_scatter = weight_stream.ProcessGroupChannel.send_scatter
+    monkeypatch.setattr(weight_stream.ProcessGroupChannel, "send_scatter",
+                        lambda self, payloads: events.append("bucket") or send_scatter(self, payloads))
+    monkeypatch.setattr(weight_stream, "BUCKET_BYTES", 256 * 1024)  # several buckets for this small model
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": "process_group"}, tp_size=2)
+    try:
+        comfy_weights.leave_device_after_cut(model, "meta")
+        out = run(world, model, args)
+        assert (out - ref).abs().max().item() <= 1e-4  # cut from the data before it moved
+        assert all(t.device.type == "meta" for _, t in named_tensors(model))  # the full weights left
+        assert comfy_weights.offload_target(model) is None
+        # Moves happen between buckets, not all before the first or after the last.
+        first_bucket, last_bucket = events.index("bucket"), len(events) - 1 - events[::-1].index("bucket")
+        assert "moved" in events[first_bucket:last_bucket]
+        held = world.holdings(model)
+        assert held[0] == expected[0] and held[1] == expected[1]
+        events.clear()
+        again = run(world, model, args)  # held already: nothing sent, nothing left to move
+        assert (again - ref).abs().max().item() <= 1e-4 and "bucket" not in events
+    finally:
+        world.shutdown("test done")
