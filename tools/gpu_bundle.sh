@@ -22,6 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS=(0.3.75 0.33.0)
 TORCH_VERSION="${GPU_TORCH_VERSION:-2.11.0}"  # the device image's torch; torchaudio must match it
+PYTHON_VERSION="${GPU_PYTHON_VERSION:-3.12}"  # the device image's Python (wheels for CPython of this version)
 CARRY_LIMIT=$((64 * 1024 * 1024))
 # Both releases (0.3.75's list; 0.33 adds comfy-aimdo, comfy-kitchen, simpleeval, blake3), with the
 # packages they pull in that the image lacks. The image has numpy, einops, transformers, tokenizers,
@@ -34,7 +35,7 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux2010_x86_64
            --platform manylinux_2_12_x86_64 --platform manylinux1_x86_64)
 download() {
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "$@" 2>&1 |
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp "$@" 2>&1 |
         grep -v "^WARNING: Location" || true
 }
 
