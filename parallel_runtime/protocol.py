@@ -31,7 +31,7 @@ PATCH_KEYS = ("patches", "patches_replace", "optimized_attention_override")
 # the rank could not measure. New fields go at the end (COMPILE_FIELDS and readers of the older
 # ones index them). The peaks are the last prompt's (memory.PeakMemory says since when);
 # host_pinned / host_kept: the staging pool's pinned bytes and what it keeps (comm._HostBuffers).
-STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "heartbeat", "gpu_allocated", "gpu_reserved",
+STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "progress", "gpu_allocated", "gpu_reserved",
                  "compiling", "compiles", "recompiles", "compile_cache_hits", "compile_cache_misses",
                  "gpu_peak_allocated", "gpu_peak_reserved", "rss_peak", "uss_peak", "host_pinned", "host_kept")
 COMPILE_FIELDS = slice(6, 11)  # compile_regions.CompileWatch.row()

@@ -139,7 +139,7 @@ class _Server:
         of completed collectives goes to its row of the shared status table, every 50 ms."""
         from parallel_runtime import comm, protocol
 
-        field = protocol.STATUS_FIELDS.index("heartbeat")
+        field = protocol.STATUS_FIELDS.index("progress")
 
         def loop():
             while True:

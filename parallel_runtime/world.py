@@ -380,7 +380,7 @@ class World:
         total = float(comm.PROGRESS.count)
         table = self._status_table
         if table is not None and self.world_size > 1:
-            total += float(table[1:, protocol.STATUS_FIELDS.index("heartbeat")].sum())
+            total += float(table[1:, protocol.STATUS_FIELDS.index("progress")].sum())
         return total
 
     def _stop_collectives(self, reason: str, hung: bool) -> None:
