@@ -21,7 +21,7 @@ def _register_routes() -> None:
     if getattr(PromptServer, "instance", None) is None:
         return
     from .nodes.host import host_devices
-    from .parallel_runtime.routes import register
+    from .parallel_runtime.comfyui_glue.routes import register
 
     register(PromptServer.instance.routes, host_devices)
 

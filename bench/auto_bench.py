@@ -16,11 +16,11 @@ def run_auto_scenario(scenario, device: str, threads: int, repeat: int | None) -
     import torch
 
     from measure import Timer, summary
-    from parallel_runtime.auto_layout import describe_sizes
+    from parallel_runtime.layout.auto import describe_sizes
     from parallel_runtime.config import HostDevices, build_config
-    from parallel_runtime.mesh import MeshLayout
-    from parallel_runtime.runtime import Runtime
-    from run import scenario_call
+    from parallel_runtime.distributed.mesh import MeshLayout
+    from parallel_runtime.world.runtime import Runtime
+    from scenarios import scenario_call
 
     repeat = repeat or scenario.repeat
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallel_runtime import cost_model  # noqa: E402
+from parallel_runtime.layout import cost_model  # noqa: E402
 
 PEERS = Path(__file__).resolve().parent / "published_peers.json"
 LATENCY_S = {"NVLink": 20e-6, "PCIe": 30e-6}

@@ -23,7 +23,8 @@ import argparse
 import os
 import sys
 
-from run import _import_comfy, mesh_config, scenario_call
+from run import _import_comfy, mesh_config
+from scenarios import scenario_call
 
 
 def profile(fn, steps: int = 2):
@@ -46,7 +47,7 @@ def overlap(step, chunks: int, rounds: int) -> int:
     import statistics
     import time
 
-    from parallel_runtime import comm
+    from parallel_runtime.distributed import comm
 
     step(1)  # sends the weights
     step(chunks)
@@ -87,7 +88,7 @@ def main() -> int:
     _import_comfy(opts.device)
     import torch
 
-    from parallel_runtime.runtime import Runtime
+    from parallel_runtime.world.runtime import Runtime
     from scenarios import select
 
     (scenario,) = select("none", [opts.scenario])

@@ -60,7 +60,7 @@ def activation_peaks(pids: list[int], fn) -> list[int | None]:
     """Peak memory each process reaches while ``fn`` runs, above its resident size before:
     the kernel's high-water mark (VmHWM) is reset through /proc/<pid>/clear_refs first."""
     from measure import peak_rss
-    from parallel_runtime.memory import process_memory
+    from parallel_runtime.world.memory import process_memory
 
     before = []
     for pid in pids:
@@ -76,15 +76,6 @@ def activation_peaks(pids: list[int], fn) -> list[int | None]:
 
 def activation_peak(pid: int, fn) -> int | None:
     return activation_peaks([pid], fn)[0]
-
-
-def scenario_call(scenario, model):
-    """The model's plan, the method the scenario times, and the keyword arguments it needs."""
-    from parallel_runtime.plans import find_plan, find_vae_plan
-
-    method = getattr(type(model), scenario.method).__get__(model)
-    options = {"transformer_options": {}} if scenario.method == "_forward" else {}  # VAEs take none
-    return find_plan(model) or find_vae_plan(model), method, options
 
 
 def mesh_config(scenario, device: str):
@@ -107,8 +98,9 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
     import torch
 
     from measure import Timer, count_comm_bytes, peak_rss, summary
-    from parallel_runtime.memory import process_memory, release_free_heap
-    from parallel_runtime.runtime import Runtime
+    from scenarios import scenario_call
+    from parallel_runtime.world.memory import process_memory, release_free_heap
+    from parallel_runtime.world.runtime import Runtime
 
     repeat = repeat or scenario.repeat
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
@@ -206,8 +198,9 @@ def run_compiled_scenario(scenario, device: str, threads: int, repeat: int | Non
     import torch
 
     from measure import Timer, summary
-    from parallel_runtime.compile_regions import CompileSettings, compiled_regions
-    from parallel_runtime.runtime import Runtime
+    from scenarios import scenario_call
+    from parallel_runtime.parallel.compile_regions import CompileSettings, compiled_regions
+    from parallel_runtime.world.runtime import Runtime
 
     repeat = repeat or scenario.repeat
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")

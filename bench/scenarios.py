@@ -259,3 +259,12 @@ def select(suite: str, names: list[str] | None = None) -> list[Scenario]:
             raise SystemExit(f"unknown scenarios {missing}; known: {', '.join(known)}")
         return [known[n] for n in names]
     return [s for s in SCENARIOS if suite in s.suites]
+
+
+def scenario_call(scenario, model):
+    """The model's plan, the method the scenario times, and the keyword arguments it needs."""
+    from parallel_runtime.plans import find_plan, find_vae_plan
+
+    method = getattr(type(model), scenario.method).__get__(model)
+    options = {"transformer_options": {}} if scenario.method == "_forward" else {}  # VAEs take none
+    return find_plan(model) or find_vae_plan(model), method, options

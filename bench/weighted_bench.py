@@ -1,6 +1,6 @@
 """A weighted token split against the even one, with one rank made slower on purpose.
 
-PARALLEL_TEST_SLOW_RANK="1:<factor>" (worker.py) makes rank 1 that many times slower. One world
+PARALLEL_TEST_SLOW_RANK="1:<factor>" (parallel_runtime/world/worker.py) makes rank 1 that many times slower. One world
 of the scenario's mesh runs the model with the even split and with tokens in proportion to the
 speeds (1 : 1/factor), timed in turn on two copies of the model; the record holds both medians,
 the gain, and both results' error against one process.
@@ -19,8 +19,8 @@ def run_weighted_scenario(scenario, device: str, threads: int, repeat: int | Non
 
     from measure import Timer, summary
     from parallel_runtime.config import HostDevices, build_config
-    from parallel_runtime.runtime import Runtime
-    from run import scenario_call
+    from parallel_runtime.world.runtime import Runtime
+    from scenarios import scenario_call
 
     repeat = repeat or scenario.repeat
     timer = Timer(torch.device("cpu"))

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..parallel_runtime.comfy_patcher import Sharding, sharded_patcher
-from ..parallel_runtime.comfy_wrappers import ShardedEncoderForward
+from ..parallel_runtime.comfyui_glue.patcher import Sharding, sharded_patcher
+from ..parallel_runtime.comfyui_glue.wrappers import ShardedEncoderForward
 from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import find_encoder_plan, supported_encoders_text
-from ..parallel_runtime.runtime import RUNTIME
-from ..parallel_runtime.tensor_parallel import encoder_valid_sizes, shard_nbytes
+from ..parallel_runtime.world.runtime import RUNTIME
+from ..parallel_runtime.weights.shards import encoder_valid_sizes, shard_nbytes
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Text Encoder"

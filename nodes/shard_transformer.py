@@ -2,21 +2,22 @@
 
 Nothing starts here: the node checks that the model and the config fit together
 and puts two wrappers on a clone of the ModelPatcher (a sharded patcher: see
-``comfy_patcher``). The workers start when the first sampler runs. LoRA and other
+``comfyui_glue/patcher.py``). The workers start when the first sampler runs. LoRA and other
 weight patches applied before or after this node reach every rank, merged.
 """
 from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..parallel_runtime.comfy_patcher import Sharding, sharded_patcher
-from ..parallel_runtime.comfy_wrappers import DIFFUSION_MODEL, OUTER_SAMPLE, WRAPPER_KEY, ShardedForward, ShardedRun
+from ..parallel_runtime.comfyui_glue.patcher import Sharding, sharded_patcher
+from ..parallel_runtime.comfyui_glue.wrappers import (DIFFUSION_MODEL, OUTER_SAMPLE, WRAPPER_KEY, ShardedForward,
+                                                      ShardedRun)
 from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import check_plan_matches, find_plan, supported_models_text
 from ..parallel_runtime.plans.base import PlanMismatch
-from ..parallel_runtime.runtime import RUNTIME
-from ..parallel_runtime.tensor_parallel import quantized_layers, quantized_message, shard_nbytes, valid_sizes
-from ..parallel_runtime.verification import FirstStep, requested
+from ..parallel_runtime.world.runtime import RUNTIME
+from ..parallel_runtime.weights.shards import quantized_layers, quantized_message, shard_nbytes, valid_sizes
+from ..parallel_runtime.comfyui_glue.first_step_check import FirstStep, requested
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Transformer"

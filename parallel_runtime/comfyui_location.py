@@ -1,7 +1,7 @@
 """Which ComfyUI this checkout runs with: ``COMFYUI_PATH`` if set, else the one ``tools/host.py`` set up.
 
 Read by the tests, the benchmarks, the demo, the GPU check and the remote-host agent, so that all
-of them agree on one answer. (Inside ComfyUI the runtime asks ComfyUI itself; see ``world.py``.)
+of them agree on one answer. (Inside ComfyUI the runtime asks ComfyUI itself; see ``world/world.py``.)
 
 Two test hosts can be set up side by side: ComfyUI 0.3.75 (the default, in ``.host/``) and
 0.33.0 (``PARALLEL_COMFYUI_VERSION=0.33.0``, in ``.host-0.33.0/``). Standard library only:

@@ -80,9 +80,9 @@ def _load_pack_nodes():
     sys.modules["hybrid_parallel_pack"] = module
     spec.loader.exec_module(module)
     import hybrid_parallel_pack.nodes  # noqa: F401  (the node classes and the runtime they use)
-    import hybrid_parallel_pack.parallel_runtime.comfy_wrappers  # noqa: F401
+    import hybrid_parallel_pack.parallel_runtime.comfyui_glue.wrappers  # noqa: F401
     import hybrid_parallel_pack.parallel_runtime.config  # noqa: F401
-    import hybrid_parallel_pack.parallel_runtime.runtime  # noqa: F401
+    import hybrid_parallel_pack.parallel_runtime.world.runtime  # noqa: F401
 
     return module
 
@@ -96,7 +96,7 @@ PACK = _load_pack_nodes()
 def runtime(comfyui_path):
     """A Runtime (the top-level ``parallel_runtime`` copy, as the workers import it) that knows
     this ComfyUI, shut down when the module's tests are done."""
-    from parallel_runtime.runtime import Runtime
+    from parallel_runtime.world.runtime import Runtime
     rt = Runtime()
     rt.comfyui_path = comfyui_path
     yield rt

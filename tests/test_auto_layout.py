@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from parallel_runtime import auto_layout, cost_model
+from parallel_runtime.layout import auto as auto_layout, cost_model
 from parallel_runtime.config import ConfigError, HostDevices, build_config
 from parallel_runtime.plans import find_plan
 from tiny_models import TinyWan, build_wan_model
@@ -225,7 +225,7 @@ def test_a_new_resolution_is_chosen_for_and_layouts_share_the_weights_sent(runti
     """A model run at two sizes gets a choice for each (the second measured at its own size), the
     first size again chooses nothing new; and context-parallel layouts of one model share the
     weights the ranks hold (only another TP size sends them again)."""
-    from parallel_runtime.mesh import MeshLayout
+    from parallel_runtime.distributed.mesh import MeshLayout
 
     model, inputs = wan
     plan = find_plan(model)

@@ -27,7 +27,7 @@ def lora_like(patcher, strength: float, seed: int = 0):
 
 
 def test_the_version_follows_what_comfyui_changes_and_never_compares_tensors(monkeypatch):
-    from parallel_runtime.comfy_weights import WeightSource
+    from parallel_runtime.weights.sources import WeightSource
 
     base = tiny_patcher()
     v0 = WeightSource(base, "diffusion_model.").version()
@@ -53,7 +53,7 @@ def test_each_weight_is_what_comfyuis_forward_uses():
     """Unpatched, merged by ComfyUI, merged by another clone, and patched per forward (lowvram)."""
     import comfy.model_patcher
 
-    from parallel_runtime.comfy_weights import WeightSource, owners
+    from parallel_runtime.weights.sources import WeightSource, owners
 
     cpu = torch.device("cpu")
     base = tiny_patcher(seed=1)
@@ -106,7 +106,7 @@ def sample(model, seed=0):
 def test_tp_keeps_the_full_weights_out_of_comfyuis_loading_and_an_unload_frees_every_rank():
     import comfy.model_management as mm
 
-    runtime = PACK.parallel_runtime.runtime.RUNTIME
+    runtime = PACK.parallel_runtime.world.runtime.RUNTIME
     config = PACK.parallel_runtime.config.build_config(tp_size=2, devices="cpu,cpu",
                                                        host=PACK.parallel_runtime.config.HostDevices("cpu"))
     base = tiny_patcher(seed=2, dim=512)
@@ -160,7 +160,7 @@ def test_tp_keeps_the_full_weights_out_of_comfyuis_loading_and_an_unload_frees_e
 def test_a_dynamic_vram_patcher_is_sharded_through_comfyuis_non_dynamic_delegate():
     """ComfyUI 0.33's dynamic VRAM (NVIDIA only, so never on this machine) keeps memory-mapped
     weights and per-op LoRA that cannot travel: sharded models ask for the plain delegate."""
-    from parallel_runtime.comfy_patcher import plain_clone
+    from parallel_runtime.comfyui_glue.patcher import plain_clone
 
     calls = []
 

@@ -1,5 +1,5 @@
 """ComfyUI's quantized weights (``QuantizedTensor``) cut for tensor parallelism as stored
-(``parallel_runtime.comfy_quantized``), on the ComfyUI release this host runs.
+(``parallel_runtime.weights.quantized``), on the ComfyUI release this host runs.
 
 Every layout this release can make on the CPU is quantized from a random weight with ComfyUI's
 own ``QuantizedTensor.from_float``; each TP cut (``tensor_parallel.Cut``: Colwise, fused
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 import comfy.ops
 import comfy.quant_ops
-from parallel_runtime import comfy_quantized as cq
-from parallel_runtime.tensor_parallel import Cut
+from parallel_runtime.weights import quantized as cq
+from parallel_runtime.weights.shards import Cut
 
 NEW_API = hasattr(comfy.quant_ops, "get_layout_class")  # 0.33+: comfy_kitchen's QuantizedTensor
 QT = comfy.quant_ops.QuantizedTensor

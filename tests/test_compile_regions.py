@@ -1,4 +1,4 @@
-"""Compiled regions (parallel_runtime/compile_regions.py) and the hook dispatchers they rely on
+"""Compiled regions (parallel_runtime/parallel/compile_regions.py) and the hook dispatchers they rely on
 (scoped_hooks.py), in-process; tests/test_comfy_compile.py runs every layout through a server."""
 import copy
 import pickle
@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from parallel_runtime import scoped_hooks
-from parallel_runtime.compile_regions import CompileSettings, compiled_regions, region_patterns, \
-    skip_transformer_options_guards, watch
+from parallel_runtime.parallel import scoped_hooks
+from parallel_runtime.parallel.compile_regions import (CompileSettings, compiled_regions, region_patterns,
+                                                       skip_transformer_options_guards, watch)
 from parallel_runtime.plans import PLANS, plan_for_family
 
 
@@ -89,7 +89,7 @@ def test_a_graph_compiled_unsharded_is_not_reused_sharded(runtime, monkeypatch):
     """Compiled at world size 1 first, then Ulysses 2 in the same process: rank 0 must compile
     again where the context-parallel attention override is set (reusing the world-1 graph
     computed local attention on rank 0 and left the ranks waiting on each other)."""
-    import parallel_runtime.world as world_module
+    import parallel_runtime.world.settings as world_module
     from conftest import REPO, cpu_world
 
     sys.path.insert(0, str(REPO / "bench"))
@@ -123,7 +123,7 @@ def test_the_watchdog_waits_while_a_rank_compiles():
     import threading
     import time
 
-    from parallel_runtime.watchdog import SectionStopped, Watchdog
+    from parallel_runtime.world.watchdog import SectionStopped, Watchdog
 
     compiling = threading.Event()
     compiling.set()
@@ -149,9 +149,9 @@ def test_the_watchdog_waits_while_a_rank_compiles():
 def test_a_worker_on_another_host_compiling_keeps_the_watchdog_waiting():
     """A remote worker has no shared status table: its compile listener sends a "stats" row, which
     rank 0 reads inside a forward only (the only section that compiles)."""
-    from parallel_runtime import protocol
+    from parallel_runtime.world import protocol
     from parallel_runtime.config import HostDevices, build_config
-    from parallel_runtime.world import World
+    from parallel_runtime.world.world import World
 
     class Remote:
         host, rank = "gpu-b", 1

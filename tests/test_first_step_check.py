@@ -13,7 +13,7 @@ config_mod = PACK.parallel_runtime.config
 
 @pytest.fixture()
 def runtime():
-    rt = PACK.parallel_runtime.runtime.RUNTIME
+    rt = PACK.parallel_runtime.world.runtime.RUNTIME
     yield rt
     rt.shutdown("test done")
 
@@ -35,7 +35,7 @@ def test_a_correct_sharded_run_passes_the_check_and_reports_it(runtime):
 def test_a_sharded_step_that_differs_stops_the_prompt(runtime, monkeypatch):
     """Attention that silently stays local on every rank (the classic failure of parallel
     attention: no error, an incoherent image) is caught by the check, not shipped."""
-    world_cls = PACK.parallel_runtime.world.World
+    world_cls = PACK.parallel_runtime.world.world.World
     monkeypatch.setattr(world_cls, "forward", functools.partialmethod(world_cls.forward, distributed_attention=False))
     with pytest.raises(RuntimeError, match=r"^Shard Transformer: the sharded first step of this Wan 2.1 / 2.2 model "
                                            r"differs from the unsharded one by [0-9.e-]+ .*The prompt was stopped") as info:
@@ -50,6 +50,6 @@ def test_the_check_is_refused_with_tensor_parallelism(monkeypatch):
     # Switched on for every model through the environment, TP models are left unchecked, not refused.
     monkeypatch.setenv("PARALLEL_VERIFY_FIRST_STEP", "1")
     model = sharded(False, tp_size=2)
-    forward = model.get_wrappers(PACK.parallel_runtime.comfy_wrappers.DIFFUSION_MODEL,
-                                 PACK.parallel_runtime.comfy_wrappers.WRAPPER_KEY)[0]
+    forward = model.get_wrappers(PACK.parallel_runtime.comfyui_glue.wrappers.DIFFUSION_MODEL,
+                                 PACK.parallel_runtime.comfyui_glue.wrappers.WRAPPER_KEY)[0]
     assert forward.first_step is None

@@ -13,8 +13,9 @@ import torch
 
 from conftest import REPO
 
-from parallel_runtime import comm, model_copies, weight_stream
-from parallel_runtime.watchdog import NCCL_ERROR_HANDLING, SectionStopped, Watchdog, prepare_nccl_environment
+from parallel_runtime.distributed import comm
+from parallel_runtime.weights import model_copies, stream as weight_stream
+from parallel_runtime.world.watchdog import NCCL_ERROR_HANDLING, SectionStopped, Watchdog, prepare_nccl_environment
 
 
 def cuda_config(**kw):
@@ -53,7 +54,7 @@ def test_handles_need_a_trial_export_that_works(monkeypatch):
 def test_the_allocator_setting_comfyui_makes_is_read(tmp_path):
     """Not faked: a process started with ComfyUI's setting (as a worker inherits it) reads it,
     and on this machine the trial export fails too (no GPU): never handles."""
-    code = ("import torch, types; from parallel_runtime import model_copies as m; "
+    code = ("import torch, types; from parallel_runtime.weights import model_copies as m; "
             "c = types.SimpleNamespace(multi_host=False, device_type='cuda', backend='gloo', devices=('cuda:0',)*2); "
             "print(m.allocator_backend()); print(m.choose_transport(c, torch.device('cuda:0')))")
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "PYTHONPATH": str(REPO)}
@@ -152,7 +153,7 @@ def test_the_watchdog_is_the_one_owner_of_nccl_aborts(monkeypatch, caplog):
 def test_identical_rank_sets_share_one_process_group(monkeypatch):
     import torch.distributed as dist
 
-    from parallel_runtime.mesh import MeshLayout, ProcessMesh
+    from parallel_runtime.distributed.mesh import MeshLayout, ProcessMesh
 
     made = []
     monkeypatch.setattr(dist, "new_group", lambda ranks: made.append(tuple(ranks)) or f"group{tuple(ranks)}")
@@ -192,7 +193,7 @@ def test_a_decode_longer_than_the_collective_timeout_completes_while_the_ranks_p
     """A long video decode or a 14B step on gloo outlasts any fixed timeout: with the timeout at
     1 s, a decode of several seconds whose ranks keep completing collectives finishes, exact."""
     from conftest import cpu_world
-    from parallel_runtime import world as world_module
+    from parallel_runtime.world import settings as world_module
     from parallel_runtime.plans.vae import check_vae
     from vae_cases import VAES
 

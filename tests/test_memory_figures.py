@@ -8,9 +8,11 @@ import types
 import pytest
 import torch
 
-from parallel_runtime import comm, memory, protocol
+from parallel_runtime.distributed import comm
+from parallel_runtime.world import memory, protocol
 from parallel_runtime.config import HostDevices, build_config
-from parallel_runtime.world import World, _Worker
+from parallel_runtime.world.world import World
+from parallel_runtime.world.workers import _Worker
 
 MB = 2**20
 
@@ -55,7 +57,7 @@ def test_a_kept_buffer_is_reused_and_cpu_buffers_are_not_pinned_without_the_swit
 
 
 def test_a_worker_releasing_its_models_empties_its_pool(monkeypatch):
-    from parallel_runtime.worker import _Server
+    from parallel_runtime.world.worker import _Server
 
     pool = fake_pool(64)
     monkeypatch.setattr(comm, "HOST", pool)
@@ -111,7 +113,7 @@ def test_cuda_peaks_are_of_the_last_prompt(monkeypatch):
 
 def test_a_cuda_workers_row_carries_its_peaks_and_its_pool(monkeypatch):
     """The worker's own report (_Server._send_stats) on a CUDA rank, as rank 0 reads it back."""
-    from parallel_runtime.worker import _Server
+    from parallel_runtime.world.worker import _Server
 
     cuda = FakeCuda().install(monkeypatch)
     monkeypatch.setattr(memory, "PEAKS", memory.PeakMemory())

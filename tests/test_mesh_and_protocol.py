@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from parallel_runtime import protocol
-from parallel_runtime.mesh import MeshLayout
-from parallel_runtime.sequence import SeqShard
+from parallel_runtime.world import protocol
+from parallel_runtime.distributed.mesh import MeshLayout
+from parallel_runtime.parallel.sequence import SeqShard
 
 
 def test_tp_is_innermost_and_groups_partition_the_world():

@@ -55,9 +55,9 @@ def test_tiny_wan_workflow_with_rank_1_on_another_host(namespaces, tiny_base, tm
     env = dict(os.environ, PARALLEL_CLUSTER_KEY=key, COMFYUI_PATH=COMFYUI_PATH, PYTHONUNBUFFERED="1")
     agent_log = open(tmp_path / "agent.log", "w")
     agent = subprocess.Popen(["ip", "netns", "exec", NS_B, "env", f"GLOO_SOCKET_IFNAME={IF_B}", sys.executable,
-                              str(REPO / "parallel_runtime" / "agent.py"), "--rendezvous", rendezvous,
+                              "-m", "parallel_runtime.world.agent", "--rendezvous", rendezvous,
                               "--name", "hostb", "--devices", "cpu"],
-                             env=env, stdout=agent_log, stderr=subprocess.STDOUT)
+                             env=env, stdout=agent_log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         out = tmp_path / "result.json"
         driver = subprocess.run(["ip", "netns", "exec", NS_A, "env", f"GLOO_SOCKET_IFNAME={IF_A}", sys.executable,

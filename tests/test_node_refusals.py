@@ -22,7 +22,7 @@ def fake_model(diffusion_model):
 
 
 def no_world_started():
-    world = PACK.parallel_runtime.runtime.RUNTIME.world
+    world = PACK.parallel_runtime.world.runtime.RUNTIME.world
     return world is None
 
 
@@ -70,7 +70,7 @@ def test_malformed_or_unavailable_devices_are_refused(devices):
 
 def test_quantized_weights_are_cut_for_tp_and_a_cut_that_cannot_be_exact_is_refused_naming_why(monkeypatch):
     """ComfyUI's QuantizedTensor layouts (fp8 / NVFP4 checkpoints; since 0.33 also scaled fp8 files):
-    TP cuts them with their scales (parallel_runtime/comfy_quantized.py); where a layout's blocks
+    TP cuts them with their scales (parallel_runtime/weights/quantized.py); where a layout's blocks
     do not allow an exact cut, Shard Transformer refuses before any rank starts, naming the layer,
     the layout's reason and what to do."""
     import importlib
@@ -78,7 +78,7 @@ def test_quantized_weights_are_cut_for_tp_and_a_cut_that_cannot_be_exact_is_refu
     import comfy.quant_ops
     from tiny_models import TinyWan, build_wan_model
 
-    comfy_quantized = importlib.import_module(f"{PACK.__name__}.parallel_runtime.comfy_quantized")
+    comfy_quantized = importlib.import_module(f"{PACK.__name__}.parallel_runtime.weights.quantized")
 
     dm = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=1), text_dim=64)
     layer = dm.blocks[0].self_attn.q
@@ -115,7 +115,7 @@ def canvas_check(values: dict) -> dict:
     """What the canvas shows for these values: the route's answer, on the node's own host."""
     import importlib
 
-    routes = importlib.import_module("hybrid_parallel_pack.parallel_runtime.routes")
+    routes = importlib.import_module("hybrid_parallel_pack.parallel_runtime.comfyui_glue.routes")
     return routes.validate(dict(values), PACK.nodes.host.host_devices())
 
 

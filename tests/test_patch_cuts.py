@@ -1,4 +1,4 @@
-"""LoRA patches cut for tensor parallelism like the weight they patch (parallel_runtime/patch_cuts.py):
+"""LoRA patches cut for tensor parallelism like the weight they patch (parallel_runtime/weights/patch_cuts.py):
 ComfyUI's own calculate_weight on a rank's slice with its cut patches equals the slice of the
 fully patched weight, for every rank, on row and column cuts, fused segments and offsets; the
 patches that cannot be cut are named."""
@@ -7,8 +7,8 @@ import torch
 
 import comfy.lora
 from comfy.weight_adapter.lora import LoRAAdapter
-from parallel_runtime.patch_cuts import cut_patches
-from parallel_runtime.tensor_parallel import Cut
+from parallel_runtime.weights.patch_cuts import cut_patches
+from parallel_runtime.weights.shards import Cut
 
 KEY = "diffusion_model.blocks.0.qkv.weight"
 

@@ -49,7 +49,7 @@ def test_a_block_that_no_longer_takes_an_argument_the_plan_cuts_is_refused_at_th
     print(f"\n{message}")
     assert message.startswith("Shard Transformer: Wan 2.1 / 2.2 plan: blocks.0 (NewerWanAttentionBlock)")
     assert "takes no 'freqs'" in message and comfyui_release() in message
-    assert PACK.parallel_runtime.runtime.RUNTIME.world is None  # refused before any worker started
+    assert PACK.parallel_runtime.world.runtime.RUNTIME.world is None  # refused before any worker started
 
 
 def test_a_block_called_with_an_argument_the_plan_does_not_know_is_refused(runtime):

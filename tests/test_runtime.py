@@ -3,7 +3,7 @@ or after a failure."""
 import pytest
 
 from parallel_runtime.config import HostDevices, build_config
-from parallel_runtime.runtime import Runtime
+from parallel_runtime.world.runtime import Runtime
 
 pytestmark = pytest.mark.multirank
 CPU = HostDevices("cpu", cpu_count=2)
@@ -112,7 +112,7 @@ class _FakeWorker:
 def test_a_silently_killed_rank_is_blamed_rather_than_the_peer_whose_collective_broke():
     """When rank 2 is SIGKILLed, rank 1 reports "connection reset" first; the user must be told
     about rank 2, the cause, not about rank 1's symptom."""
-    from parallel_runtime.world import World
+    from parallel_runtime.world.world import World
 
     world = World.__new__(World)
     world.workers = [_FakeWorker(1, code=3, error="RuntimeError: Connection reset by peer"), _FakeWorker(2, code=-9)]

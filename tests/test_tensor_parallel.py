@@ -9,7 +9,7 @@ import torch
 from conftest import cpu_world, single_process_references
 from families import TP_CASES
 from parallel_runtime.plans import find_plan
-from parallel_runtime.tensor_parallel import TensorParallelError, build_shard
+from parallel_runtime.weights.shards import TensorParallelError, build_shard
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-4
@@ -134,7 +134,7 @@ def test_comfy_quantized_layout_weights_shard_with_their_scales(runtime, sizes):
     tensors whole, and both equal one process."""
     import comfy.quant_ops
 
-    from parallel_runtime import comfy_quantized
+    from parallel_runtime.weights import quantized as comfy_quantized
 
     model, args, kwargs = TP_CASES["wan21_t2v_4heads"]()
     layers = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("blocks.")]

@@ -9,7 +9,7 @@ from text_encoder_cases import ENCODERS
 # The pack as ComfyUI loads it: node, runtime and config must come from the same copy.
 HostDevices = PACK.parallel_runtime.config.HostDevices
 build_config = PACK.parallel_runtime.config.build_config
-Runtime = PACK.parallel_runtime.runtime.Runtime
+Runtime = PACK.parallel_runtime.world.runtime.Runtime
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-5
@@ -31,7 +31,7 @@ def world_size(request):
 
 def shard(clip, config, runtime, monkeypatch):
     """What the Shard Text Encoder node does, with this test's runtime behind it."""
-    monkeypatch.setattr(PACK.parallel_runtime.comfy_wrappers, "RUNTIME", runtime)
+    monkeypatch.setattr(PACK.parallel_runtime.comfyui_glue.wrappers, "RUNTIME", runtime)
     (out,) = PACK.nodes.ShardTextEncoderNode.execute(clip, config).result
     return out
 

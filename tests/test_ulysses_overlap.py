@@ -9,8 +9,8 @@ import torch
 
 from conftest import REPO, cpu_world, single_process_references
 from families import TP_CASES
-from parallel_runtime import comm
-from parallel_runtime.attention import chunk_count
+from parallel_runtime.distributed import comm
+from parallel_runtime.parallel.attention import chunk_count
 from parallel_runtime.plans import find_plan
 
 pytestmark = pytest.mark.multirank
@@ -86,7 +86,7 @@ def test_the_clock_counts_the_time_a_forward_waits_for_communication(world):
 
 
 def test_the_setting_is_a_whole_number(monkeypatch):
-    from parallel_runtime.world import ULYSSES_CHUNKS_ENV, ulysses_chunks_setting
+    from parallel_runtime.world.settings import ULYSSES_CHUNKS_ENV, ulysses_chunks_setting
 
     monkeypatch.delenv(ULYSSES_CHUNKS_ENV, raising=False)
     assert ulysses_chunks_setting() == 1

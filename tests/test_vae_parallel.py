@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import cpu_world
-from parallel_runtime import vae_parallel
+from parallel_runtime.parallel import vae_bands as vae_parallel
 from parallel_runtime.plans import find_vae_plan, plan_for_family
 from parallel_runtime.plans.vae import check_vae
-from parallel_runtime.vae_parallel import Bands, ConvRows
+from parallel_runtime.parallel.vae_bands import Bands, ConvRows
 from vae_cases import VAES, randomize
 
 pytestmark = pytest.mark.multirank

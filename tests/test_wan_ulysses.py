@@ -5,7 +5,8 @@ import torch
 
 from parallel_runtime.config import HostDevices, build_config
 from parallel_runtime.plans import find_plan
-from parallel_runtime.world import World, WorkerFailure
+from parallel_runtime.world.world import World
+from parallel_runtime.world.workers import WorkerFailure
 from conftest import VersionedSource
 from tiny_models import TinyWan, build_wan_model
 

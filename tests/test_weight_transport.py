@@ -8,9 +8,9 @@ import torch
 from conftest import VersionedSource
 from parallel_runtime.config import HostDevices, build_config
 from parallel_runtime.plans import find_plan
-from parallel_runtime.tensor_parallel import build_shard, named_tensors, shard_nbytes
-from parallel_runtime.transport import tensor_digest
-from parallel_runtime.world import World
+from parallel_runtime.weights.shards import build_shard, named_tensors, shard_nbytes
+from parallel_runtime.weights.pickling import tensor_digest
+from parallel_runtime.world.world import World
 from tiny_models import TinyWan, build_wan_model
 
 pytestmark = pytest.mark.multirank
@@ -100,7 +100,7 @@ def test_tp2_x_ulysses2_rank0_holds_its_shard_and_workers_exactly_their_slices(c
 def test_staged_point_to_point_equals_the_direct_path(comfyui_path, monkeypatch):
     """Ring attention's K/V blocks and the VAE's halo rows through host buffers (gloo on CUDA)
     give bit for bit what the direct transfers give."""
-    from parallel_runtime.vae_parallel import check_vae
+    from parallel_runtime.parallel.vae_bands import check_vae
     from vae_cases import VAES
 
     model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=6, text_dim=TEXT_DIM)
@@ -125,7 +125,7 @@ def test_no_staging_buffer_stays_pinned_after_a_weight_send_or_the_world(comfyui
     """Gloo on CUDA stages every collective through pinned host buffers (here: staging forced on CPU
     tensors, pinning faked): a weight send used to leave its buckets pinned on every rank for good.
     After each send, and after the world, no rank holds any; a forward's working set may stay."""
-    from parallel_runtime import comm
+    from parallel_runtime.distributed import comm
 
     monkeypatch.setattr(comm, "HOST", comm._HostBuffers(pin=comm.plain_host, pin_cpu=True))
     model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=4, text_dim=TEXT_DIM)
@@ -243,7 +243,7 @@ def test_comfy_quantized_layouts_over_the_weight_stream(comfyui_path, monkeypatc
     part (fp8 data cut, scale kept), against one process."""
     import comfy.quant_ops
 
-    from parallel_runtime import comfy_quantized
+    from parallel_runtime.weights import quantized as comfy_quantized
 
     model = build_wan_model(TinyWan(dim=512, ffn_dim=1024, num_layers=2), seed=9, text_dim=TEXT_DIM)
     for name, layer in model.named_modules():
@@ -270,7 +270,7 @@ def test_a_node_pack_module_loads_without_the_pack_init_until_something_needs_it
     """Workers unpickle layer classes of other node packs by the module name ComfyUI gave them
     (the folder's path, dots as _x_). Only that module is imported: the pack's __init__ (its nodes,
     which import much of ComfyUI) runs only for a module or class that needs it."""
-    from parallel_runtime import transport
+    from parallel_runtime.weights import pickling as transport
 
     marker = tmp_path / "inits"
     pack = tmp_path / "Some.Pack"
@@ -301,7 +301,7 @@ def test_tp_cuts_each_tensor_where_comfyui_left_it_and_moves_it_off_one_at_a_tim
     after its cut, during the send, not in one whole-model move through pageable memory before it.
     Here the offload device is ``meta`` (a stand-in: on the CPU there is no second device) so that
     every move is visible."""
-    from parallel_runtime import comfy_weights, weight_stream
+    from parallel_runtime.weights import sources as comfy_weights, stream as weight_stream
 
     model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=9, text_dim=TEXT_DIM)
     args = wan_inputs(seed=2)

@@ -7,9 +7,9 @@ from conftest import check_every_family, single_process_references
 from families import CASES
 from parallel_runtime.config import ConfigError, HostDevices, build_config
 from parallel_runtime.plans import find_plan
-from parallel_runtime.sequence import SeqShard, take_chunk, weighted_sizes
-from parallel_runtime.vae_parallel import Bands
-from parallel_runtime import vae_parallel
+from parallel_runtime.parallel.sequence import SeqShard, take_chunk, weighted_sizes
+from parallel_runtime.parallel.vae_bands import Bands
+from parallel_runtime.parallel import vae_bands as vae_parallel
 from parallel_runtime.plans.vae import check_vae
 from vae_cases import VAES
 

@@ -5,9 +5,10 @@ import time
 
 import pytest
 
-from parallel_runtime import protocol
+from parallel_runtime.world import protocol
 from parallel_runtime.config import HostDevices, build_config
-from parallel_runtime.world import World, WorkerFailure, _Worker
+from parallel_runtime.world.world import World
+from parallel_runtime.world.workers import WorkerFailure, _Worker
 
 
 @pytest.fixture()

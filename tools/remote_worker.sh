@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(python3 tools/host.py --print-env)"
 export COMFYUI_PATH
-exec "$HOST_PYTHON" -u parallel_runtime/agent.py "$@"
+exec "$HOST_PYTHON" -u -m parallel_runtime.world.agent "$@"

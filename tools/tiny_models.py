@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+import tiny_text_encoders
+from tiny_text_encoders import TEXT_DIM
+from tiny_weights import _random_state_dict, comfy_json_config, stating_config  # noqa: F401  (tiny_families, tiny_gguf)
 
 WAN_TEXT_DIM = 4096  # WanModel's default; ComfyUI's detection does not read it from the file
 
@@ -174,11 +177,6 @@ def hunyuan_video_state_dict(seed: int = 6) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
-def comfy_json_config(module, name: str, overrides: dict | None = None) -> dict:
-    """ComfyUI's JSON model config ``name`` (next to ``module``), with ``overrides``."""
-    return {**json.loads((Path(module.__file__).parent / name).read_text()), **(overrides or {})}
-
-
 def t5_base_state_dict(seed: int = 10) -> dict[str, torch.Tensor]:
     """T5-base (Stable Audio's text encoder): the smallest text encoder ComfyUI's CLIPLoader
     detects (~110M parameters); its layers are ComfyUI's T5 class, like T5-XXL and UMT5-XXL."""
@@ -190,28 +188,6 @@ def t5_base_state_dict(seed: int = 10) -> dict[str, torch.Tensor]:
                               seed, dtype=torch.float32)
 
 
-def _random_state_dict(module_factory, seed: int, dtype=torch.float16, device="cpu") -> dict[str, torch.Tensor]:
-    """Seeded weights for a model built on the meta device (no memory but the result):
-    norms near 1 (gamma/scale) or 0 (biases), matrices about 1/sqrt(fan-in). ``device``: where
-    the random numbers are drawn (a GPU draws billions of them in seconds); the result is on the CPU."""
-    with torch.device("meta"):
-        model = module_factory()
-    gen = torch.Generator(device=device).manual_seed(seed)
-    sd = {}
-    for key, meta in sorted(model.state_dict().items()):
-        if not meta.dtype.is_floating_point:  # counters such as BatchNorm's num_batches_tracked
-            sd[key] = torch.zeros(meta.shape, dtype=meta.dtype)
-            continue
-        if meta.ndim <= 1:
-            ones = (key.endswith(("scale", "gamma", "norm.weight", "running_var")) or ".norm" in key
-                    or re.search(r"norm\d\.weight$", key) is not None)  # CLIP's layer_norm1/2
-            value = (1.0 if ones else 0.0) + 0.02 * torch.randn(meta.shape, generator=gen, device=device)
-        else:
-            value = torch.randn(meta.shape, generator=gen, device=device) * (0.5 / meta[0].numel() ** 0.5)
-        sd[key] = value.to(dtype).cpu()
-    return sd
-
-
 def flux1_state_dict(seed: int = 11, depth: int = 1, depth_single: int = 1, text_dim: int | None = None,
                      pooled_dim: int | None = None, dtype=torch.float16, device="cpu") -> dict[str, torch.Tensor]:
     """The smallest Flux.1 UNETLoader accepts: its detection fixes 24 heads of 128 (width 3072);
@@ -220,7 +196,6 @@ def flux1_state_dict(seed: int = 11, depth: int = 1, depth_single: int = 1, text
     (19 and 38) and widths (T5-XXL 4096, CLIP-L 768) it is Flux.1-dev-sized: 11.9B parameters."""
     import comfy.ldm.flux.model
     import comfy.ops
-    from tiny_text_encoders import TEXT_DIM
 
     return _random_state_dict(lambda: make(comfy.ldm.flux.model.Flux,
         image_model="flux", in_channels=16, out_channels=16, vec_in_dim=pooled_dim or TEXT_DIM,
@@ -249,13 +224,6 @@ def scaled_fp8_state_dict(sd: dict) -> dict[str, torch.Tensor]:
             out[key] = value
     out["scaled_fp8"] = torch.empty(0, dtype=fp8)
     return out
-
-
-def stating_config(sd: dict, part: str, config: dict) -> tuple[dict, dict]:
-    """(state dict, safetensors metadata stating ``config`` under ``config`` -> ``part``): the form
-    ComfyUI reads from LTXV files and the test server's extension applies to any family
-    (tests/comfy_extensions)."""
-    return sd, {"config": json.dumps({part: config})}
 
 
 QWEN_IMAGE_CONFIG = {"joint_attention_dim": 64}  # the tiny Qwen2.5-VL's width; detection fixes 3584
@@ -355,7 +323,6 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
     e.g. ``DEMO_FILES``). Idempotent."""
     from safetensors.torch import save_file
 
-    import tiny_text_encoders  # imports this module: not at the top
 
     base_dir = Path(base_dir)
     paths = {

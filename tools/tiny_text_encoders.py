@@ -18,7 +18,7 @@ import io
 
 import torch
 
-from tiny_models import _random_state_dict, comfy_json_config, stating_config
+from tiny_weights import _random_state_dict, comfy_json_config, stating_config
 
 TEXT_DIM = 64  # T5-XXL, CLIP-L and Qwen2.5-VL stand-ins (Flux.1's txt_in and vector_in, Qwen-Image's joint dim)
 

@@ -1,12 +1,13 @@
 """Registry of per-family plans. Adding a family means adding one plan module here;
-the generic runtime never branches on the model."""
+the generic runtime never branches on the model. Declarations only: ``parallel/`` applies them."""
 from __future__ import annotations
 
 import torch
 
 from . import (chroma_radiance, cogvideo, flux, hunyuan_video, joyimage, kandinsky5, krea2, ltxv, lumina, qwen_image,
                text_encoders, vae, wan)
-from .base import ModelPlan, check_plan_matches, check_supported_arguments, context_parallel
+from .base import ModelPlan
+from .matching import check_plan_matches
 
 PLANS: tuple[ModelPlan, ...] = (
     flux.FLUX, flux.CHROMA, wan.PLAN, wan.VACE, qwen_image.PLAN, hunyuan_video.PLAN, ltxv.PLAN,
@@ -57,4 +58,4 @@ def supported_models_text() -> str:
     return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})" for plan in PLANS)
 
 
-__all__ = ["PLANS", "ENCODER_PLANS", "VAE_PLANS", "find_encoder_plan", "find_vae_plan", "supported_encoders_text", "ModelPlan", "check_plan_matches", "check_supported_arguments", "context_parallel", "find_plan", "plan_for_family", "supported_models_text"]
+__all__ = ["PLANS", "ENCODER_PLANS", "VAE_PLANS", "find_encoder_plan", "find_vae_plan", "supported_encoders_text", "ModelPlan", "check_plan_matches", "find_plan", "plan_for_family", "supported_models_text"]

@@ -24,9 +24,9 @@ The patch convolution, the DCT embedder and the final layer stay whole.
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
 from .flux import CHROMA_APPROXIMATOR, FLUX_BLOCK_ARGS, JOINT, MASK_WHY, ROPE, flux_blocks_tensor_parallel
+from .tensor_parallel import Colwise
 
 CONTROL_WHY = ("the image is gathered at the last single block for the NeRF head, before the model adds that "
                "block's ControlNet residual; run without ControlNet")

@@ -23,8 +23,8 @@ column-parallel, gathered; the video patch projection (a convolution in 1.0) sta
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("txt", "img")
 # (cos, sin), each [video tokens, head_dim]; None where the model adds position embeddings instead.

@@ -15,8 +15,8 @@
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("txt", "img")
 ROPE = Split("pe", dim=2, segments=JOINT)

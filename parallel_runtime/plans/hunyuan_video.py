@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..tensor_parallel import Colwise, Rowwise
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
 from .flux import FLUX_BLOCK_ARGS, flux_blocks_tensor_parallel
+from .tensor_parallel import Colwise, Rowwise
 
 
 

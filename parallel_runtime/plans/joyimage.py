@@ -22,8 +22,8 @@ column-parallel, gathered. The patch convolution and ``proj_out`` stay whole.
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("img", "txt")
 BLOCKS = "double_blocks"

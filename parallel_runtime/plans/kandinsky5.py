@@ -26,8 +26,8 @@ the text, pooled-text and visual input projections are column-parallel, gathered
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 BLOCKS = "visual_transformer_blocks"
 TEXT_BLOCKS = "text_transformer_blocks"

@@ -26,8 +26,8 @@ shared 6-way modulation projection ``tproj`` is column-parallel, gathered.
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, ColwiseKV, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, ColwiseKV, Rowwise, TensorParallelPlan
 
 STACKS = ("blocks.*", "txtfusion.layerwise_blocks.*", "txtfusion.refiner_blocks.*")
 KV = ColwiseKV(heads="heads", kv_heads="kvheads", head_dim="headdim")

@@ -19,8 +19,8 @@ column/row pair and the 6-way modulation projection column-parallel, gathered.
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, Norm, Rowwise, SliceInput, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, Norm, Rowwise, SliceInput, TensorParallelPlan
 
 
 def _attention_tp(attn: str) -> dict:

@@ -16,8 +16,8 @@ with its output gathered. The q/k norms are per head and need nothing.
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 
 def _qkv_segments(attention, linear) -> list[int]:

@@ -11,8 +11,8 @@
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("txt", "img")
 

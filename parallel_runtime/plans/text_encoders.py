@@ -18,8 +18,8 @@ all-reduced), so the conditioning rank 0 returns to ComfyUI is the full one.
 """
 from __future__ import annotations
 
-from ..tensor_parallel import Colwise, ColwiseKV, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, ModelPlan
+from .tensor_parallel import Colwise, ColwiseKV, Rowwise, TensorParallelPlan
 
 NO_SEQUENCE_SPLIT = ContextParallelPlan(inputs={}, outputs={}, attention={})
 

@@ -1,7 +1,7 @@
 """VAEs: every rank decodes (or encodes) a band of image rows, exactly.
 
 A band plan says, per family, which modules of the VAE need to see beyond their
-own band and how (``parallel_runtime/vae_parallel.py`` does the rest, the same
+own band and how (``parallel_runtime/parallel/vae_bands.py`` does the rest, the same
 way for every family):
 
 - ``convs``: convolutions. A kernel taller than one row reads rows of the

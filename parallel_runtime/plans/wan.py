@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor_parallel import Colwise, Norm, Rowwise, TensorParallelPlan
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, Norm, Rowwise, TensorParallelPlan
 
 
 def expand_like_repeat_e(t: torch.Tensor, total: int) -> torch.Tensor:

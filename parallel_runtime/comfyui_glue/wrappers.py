@@ -1,0 +1,161 @@
+"""The two wrappers Shard Transformer puts on ComfyUI's ModelPatcher.
+
+- ``OUTER_SAMPLE`` (once per sampling run): starts or reuses the workers before
+  ComfyUI loads the model, and moves our forward wrapper innermost, so that
+  wrappers of other nodes (caches that skip steps, for example) decide on rank 0
+  whether a forward happens at all, and every forward that does happen runs on
+  all ranks.
+- ``DIFFUSION_MODEL`` (every forward): dispatches the forward to all ranks and
+  runs rank 0's shard under the model's context-parallel plan.
+
+Both are plain callables holding the config; they carry no ``.to`` method, so
+ComfyUI's cast of wrappers leaves them alone.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from . import interrupts
+from .patcher import note_patcher, source_of
+from ..config import ParallelConfig
+from ..parallel import arguments
+from ..parallel.compile_regions import COMPILE_OPTION, CompileSettings
+from ..plans import plan_for_family
+from ..world.runtime import RUNTIME
+
+log = logging.getLogger("parallel")
+
+WRAPPER_KEY = "hybrid_parallel"
+OUTER_SAMPLE = "outer_sample"        # comfy.patcher_extension.WrappersMP names
+DIFFUSION_MODEL = "diffusion_model"
+
+
+APPLY_MODEL = "apply_model"
+TORCH_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
+
+
+class ShardedRun:
+    def __init__(self, config: ParallelConfig, first_step=None):
+        self.config = config
+        self.first_step = first_step  # verification.FirstStep, shared with the forward wrapper
+
+    def __call__(self, executor, *args, **kwargs):
+        guider = executor.class_obj
+        options = getattr(guider, "model_options", {}).get("transformer_options", {})
+        wrappers = options.get("wrappers", {})
+        # TorchCompileModel would compile the whole model, communication included: its wrapper is
+        # taken out of this run (the model options are the run's own copy here) and every rank
+        # compiles the plan's blocks instead, with the same settings (compile_regions).
+        if wrappers.get(APPLY_MODEL, {}).pop(TORCH_COMPILE_KEY, None) is not None:
+            settings = CompileSettings.from_model_options(guider.model_options)
+            if settings is not None:
+                options[COMPILE_OPTION] = settings
+                log.info("Shard Transformer: every rank compiles the model's blocks with torch.compile (%s); the "
+                         "first step of a new size is slow while they compile", settings.describe())
+        forward_wrappers = wrappers.get(DIFFUSION_MODEL, {})
+        if WRAPPER_KEY in forward_wrappers:
+            forward_wrappers[WRAPPER_KEY] = forward_wrappers.pop(WRAPPER_KEY)  # last = innermost
+        RUNTIME.world_for(self.config)
+        note_patcher(guider.model_patcher)  # the weights of this run are this patcher's
+        if self.first_step is not None:
+            self.first_step.begin_run()
+        return executor(*args, **kwargs)
+
+
+class ShardedForward:
+    def __init__(self, config: ParallelConfig, family: str, first_step=None):
+        self.config = config
+        self.family = family
+        self.first_step = first_step
+
+    def __call__(self, executor, *args, **kwargs):
+        inner = executor.wrappers[executor.idx + 1:]
+        if inner:
+            names = ", ".join(f"{getattr(w, '__module__', '?')}.{getattr(w, '__qualname__', type(w).__name__)}"
+                              for w in inner)
+            raise RuntimeError(f"Shard Transformer: other forward wrappers ({names}) would run inside the sharded "
+                               "forward on rank 0 only; this version cannot run them on every rank")
+        module = executor.class_obj
+        world = RUNTIME.world_for(self.config)
+        plan = plan_for_family(self.family)
+        compile = _transformer_options(module, args, kwargs).get(COMPILE_OPTION)
+        with interrupts.deferred():  # Cancel lands right after this forward, on every rank alike
+            out = world.forward(module, plan, executor, args, kwargs, source=source_of(module), compile=compile)
+        if self.first_step is not None and self.first_step.pending:  # the same step, unsharded, on rank 0
+            self.first_step.check(plan.title, out, lambda: executor(*args, **kwargs))
+        return out
+
+
+class ShardedEncoderForward:
+    """Installed (by an object patch on the CLIP's ModelPatcher) as a text encoder's
+    ``forward``: every call runs on all ranks, each with its slice of the encoder."""
+
+    def __init__(self, config: ParallelConfig, family: str, module):
+        self.config = config
+        self.family = family
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        world = RUNTIME.world_for(self.config)
+        forward = type(self.module).forward.__get__(self.module)
+        with interrupts.deferred():
+            out = world.forward(self.module, plan_for_family(self.family), forward, args, kwargs,
+                                source=source_of(self.module))
+        # The caller computed its inputs where the encoder's own weights are (where ComfyUI
+        # offloads them, with tensor parallelism); it gets its output there too.
+        return _to_device(out, _input_device(args, kwargs))
+
+
+class ShardedFirstStage:
+    """Stands in for a VAE's ``first_stage_model`` on a copy of ComfyUI's VAE object: decode and
+    encode run on every rank, each on a band of rows (parallel/vae_bands.py); everything else is the model's."""
+
+    def __init__(self, module, config: ParallelConfig, family: str):
+        self._module = module
+        self._config = config
+        self._family = family
+
+    def _dispatch(self, method: str, args, kwargs):
+        world = RUNTIME.world_for(self._config)
+        bound = getattr(type(self._module), method).__get__(self._module)
+        with interrupts.deferred():
+            return world.forward(self._module, plan_for_family(self._family), bound, args, kwargs,
+                                 source=source_of(self._module))
+
+    def decode(self, *args, **kwargs):
+        return self._dispatch("decode", args, kwargs)
+
+    def encode(self, *args, **kwargs):
+        return self._dispatch("encode", args, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _transformer_options(module, args, kwargs) -> dict:
+    """The forward's transformer_options, passed by keyword or by position (Wan's forward)."""
+    bound = inspect.signature(type(module)._forward).bind(module, *args, **kwargs)
+    return arguments.get_options(bound) or {}
+
+
+def _input_device(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def _to_device(out, device):
+    if device is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out if out.device == device else out.to(device)
+    if isinstance(out, (list, tuple)):
+        items = [_to_device(v, device) for v in out]
+        return type(out)(items) if type(out) in (list, tuple) else type(out)(*items)
+    if isinstance(out, dict):
+        return {k: _to_device(v, device) for k, v in out.items()}
+    return out

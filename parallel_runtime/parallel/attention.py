@@ -1,0 +1,294 @@
+"""Context-parallel attention behind ComfyUI's ``optimized_attention_override``.
+
+ComfyUI calls the override as ``override(func, q, k, v, heads, ...)``. Two layouts
+reach it: ``[B, S, H*D]`` (Wan, SD3, LTXV) and, with ``skip_reshape=True``,
+``[B, H, S, D]`` (Flux family, Qwen-Image, Lumina2). RoPE is already applied.
+
+Each rank holds a *joint chunk*: the concatenation of its padded chunks of one or
+more token streams (text and image, say). ``JointLayout`` knows where the real
+tokens sit in every rank's chunk, so padding never reaches a softmax.
+
+- Ulysses (size U): an all-to-all turns sequence chunks into head shards of the
+  U chunks of the group; the real tokens are picked out, the attention function
+  ComfyUI chose runs on ``H / U`` heads, and a second all-to-all returns the chunks.
+- Ring (size R): each rank keeps its queries and passes its key/value block around
+  the ring; partial results are merged exactly with their log-sum-exp.
+- USP: Ulysses inside each ring group, Ring across them.
+
+Key order differs from the single-device run (chunks of several streams are
+interleaved), which attention does not see: softmax over keys is order-free.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .sequence import pad_along
+from ..distributed import comm
+
+
+@dataclass(frozen=True)
+class JointLayout:
+    """Real-token positions inside every sequence-parallel rank's joint chunk."""
+
+    chunk: int                          # length of every rank's joint chunk (padded)
+    valid: tuple[torch.Tensor | None, ...]  # per sp rank: positions of real tokens, None = all real
+    # Weighted split: (tokens this rank holds, padded chunk) per stream of the joint chunk; the
+    # local joint tensor is padded to ``chunk`` for the exchange and cut back after it.
+    local: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def local_length(self) -> int:
+        return self.chunk if self.local is None else sum(n for n, _ in self.local)
+
+    def pad_local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.local is None:
+            return t
+        parts = torch.split(t, [n for n, _ in self.local], dim=dim)
+        return torch.cat([pad_along(p, dim, chunk) for p, (_, chunk) in zip(parts, self.local)], dim=dim)
+
+    def strip_local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.local is None:
+            return t
+        parts = torch.split(t, [chunk for _, chunk in self.local], dim=dim)
+        return torch.cat([p.narrow(dim, 0, n) for p, (n, _) in zip(parts, self.local)], dim=dim)
+
+    def gathered(self, ranks: range) -> torch.Tensor | None:
+        """Real-token positions in the concatenation of the chunks of ``ranks``; None if all real."""
+        parts, any_pad = [], False
+        for i, r in enumerate(ranks):
+            idx = self.valid[r]
+            if idx is None:
+                idx = torch.arange(self.chunk)
+            else:
+                any_pad = True
+            parts.append(idx + i * self.chunk)
+        return torch.cat(parts) if any_pad else None
+
+
+def _heads_of(args, kwargs) -> int:
+    if "heads" in kwargs:
+        return kwargs["heads"]
+    if len(args) > 3:
+        return args[3]
+    raise TypeError("attention call without a 'heads' argument")
+
+
+def _call_args(args, kwargs, q, k, v, heads):
+    """Arguments for the wrapped attention function: canonical [B, H, S, D] in and out."""
+    kw = {**kwargs, "skip_reshape": True, "skip_output_reshape": True}
+    if "heads" in kwargs:
+        kw["heads"] = heads
+        return (q, k, v, *args[3:]), kw
+    return (q, k, v, heads, *args[4:]), kw
+
+
+def to_bhsd(t: torch.Tensor, heads: int, head_layout: bool) -> torch.Tensor:
+    if head_layout:
+        return t
+    b, s, hd = t.shape
+    return t.view(b, s, heads, hd // heads).transpose(1, 2)
+
+
+def from_bhsd(t: torch.Tensor, output_heads_first: bool) -> torch.Tensor:
+    if output_heads_first:
+        return t
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b, s, h * d)
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x, group=group)
+    return out
+
+
+def scatter_heads(qkv: torch.Tensor, n: int, group) -> torch.Tensor:
+    """[3, B, H, S, D] sequence-sharded -> [3, B, H/n, n*S, D] head-sharded (Ulysses forward)."""
+    three, b, h, s, d = qkv.shape
+    send = qkv.reshape(three, b, n, h // n, s, d).permute(2, 0, 1, 3, 4, 5).contiguous()
+    recv = _all_to_all(send, group)  # [n (source chunk), 3, B, H/n, S, D]
+    return recv.permute(1, 2, 3, 0, 4, 5).reshape(three, b, h // n, n * s, d)
+
+
+def gather_heads(out: torch.Tensor, n: int, group) -> torch.Tensor:
+    """[B, H/n, n*S, D] head-sharded -> [B, H, S, D] sequence-sharded (Ulysses backward)."""
+    b, hn, ns, d = out.shape
+    s = ns // n
+    send = out.reshape(b, hn, n, s, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = _all_to_all(send, group)  # [n (head group), B, H/n, S, D]
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, n * hn, s, d)
+
+
+def chunk_count(heads_per_rank: int, wanted: int) -> int:
+    """The most head chunks, at most ``wanted``, that split ``heads_per_rank`` evenly."""
+    return max(c for c in range(1, max(1, min(wanted, heads_per_rank)) + 1) if heads_per_rank % c == 0)
+
+
+def ulysses_pipelined(qkv: torch.Tensor, n: int, group, chunks: int, attend_heads) -> torch.Tensor:
+    """Ulysses with the heads in ``chunks`` groups, so that communication overlaps attention:
+    every group's all-to-all is in flight from the start, a group's attention runs as soon as it
+    has arrived, and its output travels back while the next group computes. ``qkv``: [3, B, H, S, D]
+    sequence-sharded; ``attend_heads(q, k, v)``: attention of [B, g, n*S, D] head groups. Returns
+    [B, H, S, D] sequence-sharded, the heads in the order of the unchunked exchange (each head's
+    attention is the same computation, so the result is too)."""
+    three, b, h, s, d = qkv.shape
+    g = h // n // chunks
+    grouped = qkv.reshape(three, b, n, chunks, g, s, d)  # head = destination rank, chunk, head in chunk
+    incoming = []
+    for j in range(chunks):
+        send = grouped[:, :, :, j].permute(2, 0, 1, 3, 4, 5).contiguous()  # [n (destination), 3, B, g, S, D]
+        recv = torch.empty_like(send)
+        incoming.append((recv, comm.all_to_all_async(recv, send, group)))
+    outgoing = []
+    for recv, pending in incoming:
+        pending.wait()
+        q, k, v = recv.permute(1, 2, 3, 0, 4, 5).reshape(three, b, g, n * s, d).unbind(0)
+        out = attend_heads(q, k, v)
+        send = out.reshape(b, g, n, s, d).permute(2, 0, 1, 3, 4).contiguous()  # [n (destination chunk), B, g, S, D]
+        back = torch.empty_like(send)
+        outgoing.append((back, comm.all_to_all_async(back, send, group)))
+    for _, pending in outgoing:
+        pending.wait()
+    stacked = torch.stack([back for back, _ in outgoing], dim=1)  # [n (head group), chunks, B, g, S, D]
+    return stacked.permute(2, 0, 1, 3, 4, 5).reshape(b, h, s, d)
+
+
+def attention_with_lse(q, k, v, scale: float):
+    """Attention and its log-sum-exp per query ([B, H, Sq] in fp32), exact on every device."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+        return out, lse.float()
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+        return out, lse.float()
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    return out, lse
+
+
+def _merge(acc, acc_lse, out, lse):
+    if acc is None:
+        return out.float(), lse
+    new_lse = torch.logaddexp(acc_lse, lse)
+    acc = acc * torch.exp(acc_lse - new_lse).unsqueeze(-1) + out.float() * torch.exp(lse - new_lse).unsqueeze(-1)
+    return acc, new_lse
+
+
+def ring_attention(q, k, v, *, group, ring_size: int, ring_rank: int, key_index) -> torch.Tensor:
+    """Exact attention of local queries over the key/value blocks of every ring rank.
+
+    ``key_index(j)`` gives the real-token positions of ring rank j's block (None: all real).
+    Blocks travel one hop per step with batched send/recv, overlapping the next compute
+    (staged through host buffers where the backend cannot send accelerator tensors: ``comm``).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    group_ranks = dist.get_process_group_ranks(group)
+    send_to = group_ranks[(ring_rank + 1) % ring_size]
+    recv_from = group_ranks[(ring_rank - 1) % ring_size]
+    kv = torch.stack([k, v]).contiguous()
+    acc = acc_lse = None
+    for step in range(ring_size):
+        pending = None
+        if step + 1 < ring_size:
+            incoming = torch.empty_like(kv)
+            pending = comm.p2p([("send", kv, send_to), ("recv", incoming, recv_from)], group)
+        owner = (ring_rank - step) % ring_size
+        idx = key_index(owner)
+        kb, vb = kv[0], kv[1]
+        if idx is not None:
+            if idx.numel() == 0:
+                kb = None
+            else:
+                idx = idx.to(kb.device)
+                kb, vb = kb.index_select(2, idx), vb.index_select(2, idx)
+        if kb is not None:
+            out, lse = attention_with_lse(q, kb, vb, scale)
+            acc, acc_lse = _merge(acc, acc_lse, out, lse)
+        if pending is not None:
+            pending.wait()
+            kv = incoming
+    return acc.to(q.dtype)
+
+
+@dataclass
+class SequenceParallel:
+    """The groups a context-parallel attention call communicates over."""
+
+    ulysses_group: object
+    ulysses_size: int
+    ulysses_rank: int
+    ring_group: object
+    ring_size: int
+    ring_rank: int
+    # Pure Ulysses: head groups whose exchange overlaps the attention of the others (1: one exchange).
+    ulysses_chunks: int = 1
+
+    @property
+    def sp_rank(self) -> int:
+        return self.ring_rank * self.ulysses_size + self.ulysses_rank
+
+
+def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, layout: JointLayout):
+    """Attention of the joint chunks of all sequence-parallel ranks; returns this rank's chunk."""
+    q, k, v = args[:3]
+    heads = _heads_of(args, kwargs)
+    mask = kwargs.get("mask", args[4] if len(args) > 4 else None)
+    if mask is not None:
+        raise RuntimeError("context parallel: this model passed an attention mask to a context-parallel "
+                           "attention (for example a padded prompt batch or a style model's attention mask); "
+                           "masks there are not supported yet")
+    head_layout = bool(kwargs.get("skip_reshape", False))
+    U, R = sp.ulysses_size, sp.ring_size
+    if heads % U:
+        raise RuntimeError(f"Ulysses: {heads} attention heads do not divide by the Ulysses size {U}")
+    if q.shape[-2 if head_layout else 1] != layout.local_length:
+        raise RuntimeError(f"context parallel: attention got {q.shape} but this rank's joint chunk has "
+                           f"{layout.local_length} tokens; the model plan does not describe this attention site")
+    qkv = torch.stack([layout.pad_local(to_bhsd(t, heads, head_layout), 2) for t in (q, k, v)])  # [3, B, H, S, D]
+    # Real tokens of the U chunks this rank holds after the exchange (its ring block).
+    block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
+    if R == 1:
+        real = layout.gathered(block_ranks(0))
+        if real is not None:
+            real = real.to(q.device)
+
+        def attend_heads(q2, k2, v2):
+            if real is not None:
+                q2, k2, v2 = (t.index_select(2, real) for t in (q2, k2, v2))
+            call_args, call_kwargs = _call_args(args, kwargs, q2, k2, v2, q2.shape[1])
+            out = attend(*call_args, **call_kwargs)  # [B, heads, S_real, D]
+            if real is not None:
+                full = out.new_zeros(out.shape[0], out.shape[1], U * layout.chunk, out.shape[3])
+                full.index_copy_(2, real, out)
+                out = full
+            return out
+
+        chunks = chunk_count(heads // U, sp.ulysses_chunks) if U > 1 else 1
+        if chunks > 1:
+            out = ulysses_pipelined(qkv, U, sp.ulysses_group, chunks, attend_heads)
+            return from_bhsd(layout.strip_local(out, 2), bool(kwargs.get("skip_output_reshape", False)))
+        if U > 1:
+            qkv = scatter_heads(qkv, U, sp.ulysses_group)
+        out = attend_heads(*qkv.unbind(0))
+    else:
+        if U > 1:
+            qkv = scatter_heads(qkv, U, sp.ulysses_group)
+        q2, k2, v2 = qkv.unbind(0)
+        mine = layout.gathered(block_ranks(sp.ring_rank)) if layout.local is not None else None
+        if mine is not None:  # weighted split: only this rank's real queries (its share of the work)
+            mine = mine.to(q2.device)
+            q2 = q2.index_select(2, mine)
+        out = ring_attention(q2, k2, v2, group=sp.ring_group, ring_size=R, ring_rank=sp.ring_rank,
+                             key_index=lambda j: layout.gathered(block_ranks(j)))
+        if mine is not None:
+            full = out.new_zeros(out.shape[0], out.shape[1], k2.shape[2], out.shape[3])
+            full.index_copy_(2, mine, out)
+            out = full
+    if U > 1:
+        out = gather_heads(out.contiguous(), U, sp.ulysses_group)
+    return from_bhsd(layout.strip_local(out, 2), bool(kwargs.get("skip_output_reshape", False)))

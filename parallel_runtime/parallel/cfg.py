@@ -1,0 +1,87 @@
+"""The cfg dimension: conditional and unconditional passes on different rank groups.
+
+ComfyUI batches cond and uncond into one forward (``transformer_options
+["cond_or_uncond"]`` says which chunk is which). Each cfg group takes its share
+of that batch: every input whose first dimension is the batch is cut the same
+way, and the outputs are gathered back along the batch. A batch that does not
+divide by the cfg size (CFG 1, or ComfyUI running cond and uncond separately to
+save memory) is computed whole by every group: still exact, just not faster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import arguments
+from ..distributed import comm
+
+# Per-sample entries of transformer_options (lists of one item per cond chunk, or one value per row).
+PER_CHUNK_OPTIONS = ("cond_or_uncond", "uuids")
+PER_ROW_OPTIONS = ("sigmas",)
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    size: int       # full batch
+    parts: int      # cfg groups sharing it (1: not split)
+    index: int
+
+    @property
+    def rows(self) -> slice:
+        n = self.size // self.parts
+        return slice(self.index * n, (self.index + 1) * n)
+
+
+def plan_split(batch: int, cfg_size: int, cfg_rank: int) -> BatchSplit:
+    if cfg_size > 1 and batch % cfg_size == 0:
+        return BatchSplit(batch, cfg_size, cfg_rank)
+    return BatchSplit(batch, 1, 0)
+
+
+def _cut(value, split: BatchSplit):
+    if isinstance(value, torch.Tensor):
+        return value[split.rows] if value.ndim and value.shape[0] == split.size else value
+    if isinstance(value, list):
+        return [_cut(v, split) for v in value]
+    if isinstance(value, tuple):
+        items = [_cut(v, split) for v in value]
+        return tuple(items) if type(value) is tuple else type(value)(*items)
+    if isinstance(value, dict):
+        return {k: _cut(v, split) for k, v in value.items()}
+    return value
+
+
+def split_bound(bound, split: BatchSplit) -> None:
+    """Replace a forward's bound arguments by this group's share (transformer_options copied, not changed)."""
+    if split.parts == 1:
+        return
+    options = arguments.get_options(bound)
+    place = arguments.holder(bound)
+    place[arguments.OPTIONS] = None  # keep the schedule and friends out of the generic cut below
+    for name, value in list(bound.arguments.items()):
+        bound.arguments[name] = _cut(value, split)
+    arguments.set_options(bound, _split_options(options, split))
+
+
+def _split_options(options: dict, split: BatchSplit) -> dict:
+    options = dict(options)
+    for key in PER_ROW_OPTIONS:
+        if isinstance(options.get(key), torch.Tensor):
+            options[key] = _cut(options[key], split)
+    for key in PER_CHUNK_OPTIONS:
+        entries = options.get(key)
+        if isinstance(entries, list) and entries and len(entries) % split.parts == 0:
+            n = len(entries) // split.parts
+            options[key] = entries[split.index * n:(split.index + 1) * n]
+    return options
+
+
+def gather_output(out, split: BatchSplit, group):
+    if split.parts == 1:
+        return out
+    if not isinstance(out, torch.Tensor):
+        raise RuntimeError(f"cfg parallel: the model returned a {type(out).__name__}, not a tensor")
+    full = out.new_empty((split.size, *out.shape[1:]))
+    comm.all_gather_into(full, out.contiguous(), group=group)
+    return full

@@ -1,0 +1,310 @@
+"""The context-parallel engine: one family's plan applied to one forward on one rank.
+
+Around a forward of the model ComfyUI owns, hooks on the modules the plan names cut the inputs
+into this rank's share of each token stream, make the attention sites context-parallel (through
+ComfyUI's ``optimized_attention_override``) and gather the outputs back; a guard on every hooked
+module refuses an argument the plan does not know. The hooks live for the duration of one forward
+and are removed afterwards, so the module ComfyUI owns is left untouched. The plans themselves are
+declarations (``plans/``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from . import arguments, scoped_hooks
+from .attention import JointLayout, SequenceParallel, context_parallel_attention
+from .sequence import SeqShard, gather_chunks, take_chunk, weighted_sizes
+from ..plans.base import Gather, ModelPlan, PlanMismatch, Split, comfyui_release
+from ..plans.matching import forward_signature, matching_modules, on_item, replace_arguments
+
+
+OVERRIDE_KEY = "optimized_attention_override"
+
+
+ALWAYS_PASSED = frozenset({"transformer_options"})
+
+
+class ForwardContext:
+    """State of one context-parallel forward on one rank."""
+
+    def __init__(self, sp: SequenceParallel, sp_group, distributed_attention: bool = True,
+                 weights: tuple[float, ...] | None = None):
+        self.sp = sp
+        self.weights = weights  # per sequence-parallel rank: token shares of a weighted split
+        self.sp_group = sp_group
+        self.parts = sp.ulysses_size * sp.ring_size
+        self.index = sp.sp_rank
+        self.distributed_attention = distributed_attention
+        self.streams: dict[str, SeqShard] = {}
+        self.cp_sites: list[tuple[str, ...]] = []  # stack of the attention sites being executed
+        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[tuple[str, ...], JointLayout] = {}
+        self._pending: list[tuple[object, Split]] = []  # (container, spec) waiting for their stream
+
+    # ------------------------------------------------------------ streams
+    def start_stream(self, name: str, total: int) -> SeqShard:
+        known = self.streams.get(name)
+        if known is not None and known.total != total:
+            raise RuntimeError(f"context parallel: stream '{name}' entered again with {total} tokens (first "
+                               f"{known.total}); the model plan does not cover this input")
+        sizes = weighted_sizes(total, self.weights) if self.weights else None
+        shard = SeqShard(total, self.parts, self.index, sizes)
+        self.streams[name] = shard
+        waiting = [(c, spec) for c, spec in self._pending if spec.stream == name]
+        self._pending = [(c, spec) for c, spec in self._pending if spec.stream != name]
+        for container, spec in waiting:
+            _cut_nested(container, lambda t, spec=spec: self.split(t, spec, f"argument '{spec.arg}'"))
+        return shard
+
+    def defer(self, container, spec: "Split") -> None:
+        self._pending.append((container, spec))
+
+    def _stream(self, name: str, what: str) -> SeqShard:
+        shard = self.streams.get(name)
+        if shard is None:
+            raise RuntimeError(f"context parallel plan error: {what} needs stream '{name}', which has not been "
+                               "split yet")
+        return shard
+
+    def split(self, t: torch.Tensor, spec: Split, site: str) -> torch.Tensor:
+        memo = self._memo.get(id(t))
+        if memo is not None and memo[0] is t:
+            return memo[1]
+        what = f"input '{spec.arg}' of {site}"
+        if spec.segments:
+            shards = [self._stream(s, what) for s in spec.segments]
+            if t.shape[spec.dim] != sum(s.total for s in shards):
+                raise RuntimeError(f"context parallel: {what} has {t.shape[spec.dim]} entries along dim {spec.dim}, "
+                                   f"not the {sum(s.total for s in shards)} tokens of streams {spec.segments}")
+            pieces, offset = [], 0
+            for shard in shards:
+                pieces.append(take_chunk(t.narrow(spec.dim, offset, shard.total), spec.dim, shard))
+                offset += shard.total
+            out = torch.cat(pieces, dim=spec.dim)
+        else:
+            if spec.starts_stream:
+                shard = self.start_stream(spec.stream, t.shape[spec.dim])
+            else:
+                shard = self._stream(spec.stream, what)
+            size = t.shape[spec.dim]
+            if spec.prefix and size < shard.total:
+                start, stop = min(shard.start, size), min(shard.stop, size)
+                return t.narrow(spec.dim, start, stop - start)
+            if not spec.starts_stream and size != shard.total:
+                if spec.when_full_length:
+                    return t
+                if size == 1:
+                    return t  # broadcast over tokens
+                if spec.expand is None:
+                    raise RuntimeError(f"context parallel: {what} has {size} entries along dim {spec.dim} but "
+                                       f"stream '{spec.stream}' has {shard.total} tokens")
+                t_full = spec.expand(t, shard.total)
+            else:
+                t_full = t
+            out = take_chunk(t_full, spec.dim, shard)
+            if spec.starts_stream:
+                return out
+        self._memo[id(t)] = (t, out)  # side inputs recur at every block: cut them once
+        return out
+
+    def gather(self, t: torch.Tensor, spec: Gather) -> torch.Tensor:
+        group = self.sp_group
+        if spec.segments:
+            shards = [self._stream(s, "gather") for s in spec.segments]
+            locals_ = torch.split(t, [s.local for s in shards], dim=spec.dim)
+            return torch.cat([part if name in spec.keep_local else gather_chunks(part, spec.dim, s, group)
+                              for part, s, name in zip(locals_, shards, spec.segments)], dim=spec.dim)
+        shard = self.streams.get(spec.stream)
+        if shard is None:
+            return t
+        return gather_chunks(t, spec.dim, shard, group)
+
+    # ------------------------------------------------------------ attention
+    def layout(self, streams: tuple[str, ...]) -> JointLayout:
+        layout = self._layouts.get(streams)
+        if layout is None:
+            shards = [self._stream(s, "attention") for s in streams]
+            chunk = sum(s.chunk for s in shards)
+            valid = []
+            for r in range(self.parts):
+                if all(s.for_rank(r).valid == s.chunk for s in shards):
+                    valid.append(None)
+                    continue
+                idx, offset = [], 0
+                for s in shards:
+                    idx.append(torch.arange(s.for_rank(r).valid) + offset)
+                    offset += s.chunk
+                valid.append(torch.cat(idx))
+            weighted = any(s.sizes is not None for s in shards)
+            local = tuple((s.local, s.chunk) for s in shards) if weighted else None
+            layout = JointLayout(chunk, tuple(valid), local)
+            self._layouts[streams] = layout
+        return layout
+
+    def attend(self, previous, func, args, kwargs):
+        attend = func if previous is None else functools.partial(previous, func)
+        if self.cp_sites and self.parts > 1 and self.distributed_attention:
+            return context_parallel_attention(attend, args, kwargs, sp=self.sp, layout=self.layout(self.cp_sites[-1]))
+        return attend(*args, **kwargs)
+
+
+# (context, the override it stands in front of) of the forwards running on this rank, innermost last.
+_RUNNING: list[tuple[ForwardContext, object]] = []
+
+
+@torch._dynamo.disable
+def attention_override(func, *args, **kwargs):
+    """ComfyUI's attention override while a context-parallel forward runs: one object for every
+    forward (a compiled block's guard on it holds from step to step), run outside compiled graphs
+    (it communicates), and finding the forward's state in ``_RUNNING``."""
+    ctx, previous = _RUNNING[-1]
+    return ctx.attend(previous, func, args, kwargs)
+
+
+def _cut_nested(container, cut) -> None:
+    """Replace, in place, every tensor inside a dict/list container by ``cut(tensor)``."""
+    items = container.items() if isinstance(container, dict) else enumerate(container)
+    for key, value in list(items):
+        if isinstance(value, torch.Tensor):
+            container[key] = cut(value)
+        elif isinstance(value, (dict, list)):
+            _cut_nested(value, cut)
+        elif isinstance(value, tuple):
+            as_list = list(value)
+            _cut_nested(as_list, cut)
+            container[key] = tuple(as_list)
+
+
+def _copy_nested(value):
+    """Copy the dict/list structure (not the tensors), so cutting never touches the caller's objects."""
+    if isinstance(value, dict):
+        return {k: _copy_nested(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy_nested(v) for v in value] if isinstance(value, list) else tuple(_copy_nested(v) for v in value)
+    return value
+
+
+def check_supported_arguments(plan: "ModelPlan", bound) -> None:
+    """Refuse inputs the plan cannot shard, naming them, before any rank starts work."""
+    for name, why in plan.context_parallel.unsupported.items():
+        place, key = arguments.find(bound, name)
+        if place is not None and place[key] is not None:
+            raise RuntimeError(f"{plan.title}: '{name}' is not supported with context parallelism yet ({why})")
+
+
+def _has_value(value) -> bool:
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, (list, tuple, dict)) and not value)
+
+
+def _guard_hook(plan: "ModelPlan", known: frozenset[str], site: str):
+    """Refuse a call that brings an argument the plan does not know (see ``passed``)."""
+    def hook(module, args, kwargs):
+        positional = forward_signature(module)[0]
+        given = {**dict(zip(positional, args)), **kwargs}
+        unknown = sorted(name for name, value in given.items() if name not in known and _has_value(value))
+        if unknown:
+            raise PlanMismatch(
+                f"{plan.title}: {site} ({type(module).__name__}) was called with {', '.join(map(repr, unknown))}, "
+                f"which the pack's {plan.family} plan does not know how to split across ranks: {comfyui_release()} "
+                "changed this model since the plan was written. Refused rather than computing a wrong result; run "
+                "this model without Shard Transformer on this ComfyUI, or use a pack release that knows it")
+        return None
+    return hook
+
+
+def _split_hook(ctx: ForwardContext, splits: tuple[Split, ...], site: str):
+    def cut(value, spec):
+        return on_item(value, spec.item, lambda t: ctx.split(t, spec, site))
+
+    def hook(module, args, kwargs):
+        return replace_arguments(module, args, kwargs, splits, cut)
+    return hook
+
+
+def _gather_hook(ctx: ForwardContext, spec: Gather):
+    def hook(module, args, output):
+        return on_item(output, spec.item, lambda t: ctx.gather(t, spec))
+    return hook
+
+
+def _enter_site(ctx: ForwardContext, streams: tuple[str, ...]):
+    def hook(module, args):
+        ctx.cp_sites.append(streams)
+    return hook
+
+
+def _leave_site(ctx: ForwardContext):
+    def hook(module, args, output):
+        ctx.cp_sites.pop()
+    return hook
+
+
+@contextlib.contextmanager
+def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
+                     sp: SequenceParallel, sp_group, distributed_attention: bool = True,
+                     weights: tuple[float, ...] | None = None):
+    """Apply ``plan`` to one forward of ``root``: split, context-parallel attention, gather.
+
+    ``distributed_attention=False`` is a diagnostic: attention then sees only the local
+    tokens, which is what a silently broken implementation computes; tests use it to
+    prove that the real path communicates. ``weights``: token shares per sequence-parallel
+    rank (a weighted split, ``sequence``), None for the even split."""
+    ctx = ForwardContext(sp, sp_group, distributed_attention, weights)
+    if ctx.parts == 1:
+        yield ctx
+        return
+    cp = plan.context_parallel
+    transformer_options = arguments.get_options(bound)
+    for spec in cp.call_inputs:
+        place, key = arguments.find(bound, spec.arg)
+        value = place[key] if place is not None else None
+        if isinstance(value, (dict, list, tuple)):
+            place[key] = copied = _copy_nested(value)
+            ctx.defer(copied, spec)
+        elif value is not None:
+            raise RuntimeError(f"{plan.title} plan: call input '{spec.arg}' is a {type(value).__name__}, "
+                               "not a dict or list of tensors")
+    handles = []
+    try:
+        # Guards first (they see the arguments as the model passes them), one per hooked module.
+        cut_by: dict[int, set[str]] = {}
+        for pattern, splits in cp.inputs.items():
+            for _, mod in matching_modules(root, pattern):
+                cut_by.setdefault(id(mod), set()).update(s.arg for s in splits)
+        guarded = set()
+        for pattern in (*cp.inputs, *cp.outputs, *cp.attention):
+            for name, mod in matching_modules(root, pattern):
+                if id(mod) not in guarded:
+                    guarded.add(id(mod))
+                    known = frozenset(cut_by.get(id(mod), ())) | cp.passed | ALWAYS_PASSED
+                    handles.append(scoped_hooks.pre_hook(mod, _guard_hook(plan, known, name), with_kwargs=True))
+        for pattern, splits in cp.inputs.items():
+            for name, mod in matching_modules(root, pattern):
+                handles.append(scoped_hooks.pre_hook(mod, _split_hook(ctx, splits, name), with_kwargs=True))
+        for pattern, streams in cp.attention.items():
+            for _, mod in matching_modules(root, pattern):
+                handles.append(scoped_hooks.pre_hook(mod, _enter_site(ctx, streams)))
+                handles.append(scoped_hooks.post_hook(mod, _leave_site(ctx)))
+        for pattern, spec in cp.outputs.items():
+            for _, mod in matching_modules(root, pattern):
+                handles.append(scoped_hooks.post_hook(mod, _gather_hook(ctx, spec)))
+        had_override = OVERRIDE_KEY in transformer_options
+        previous = transformer_options.get(OVERRIDE_KEY)
+        transformer_options[OVERRIDE_KEY] = attention_override
+        _RUNNING.append((ctx, previous))
+        try:
+            yield ctx
+        finally:
+            _RUNNING.pop()
+            if had_override:
+                transformer_options[OVERRIDE_KEY] = previous
+            else:
+                transformer_options.pop(OVERRIDE_KEY, None)
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,62 @@
+"""One sharded forward on one rank: the same code on rank 0 and on every worker.
+
+The cfg dimension takes its share of the batch; within the cfg group the plan
+splits the token streams over the sequence-parallel (ring x ulysses) ranks.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from . import cfg
+from .attention import SequenceParallel
+from .compile_regions import CompileSettings, compiled_regions
+from .context_parallel import context_parallel
+from .tensor_parallel import tensor_parallel
+from .vae_bands import run_vae
+from ..distributed.mesh import ProcessMesh
+from ..plans import ModelPlan
+
+
+def sequence_parallel(mesh: ProcessMesh, ulysses_chunks: int = 1) -> SequenceParallel:
+    return SequenceParallel(
+        ulysses_group=mesh.group("ulysses"), ulysses_size=mesh.size("ulysses"),
+        ulysses_rank=mesh.local_rank("ulysses"),
+        ring_group=mesh.group("ring"), ring_size=mesh.size("ring"), ring_rank=mesh.local_rank("ring"),
+        ulysses_chunks=ulysses_chunks)
+
+
+def group_weights(mesh: ProcessMesh, dim: str, weights: tuple[float, ...] | None) -> tuple[float, ...] | None:
+    """The weights of this rank's group along ``dim`` ("sp", "world"), or None where they are all alike."""
+    if not weights:
+        return None
+    mine = tuple(float(weights[r]) for r in mesh.ranks(dim))
+    return mine if len(set(mine)) > 1 else None
+
+
+def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
+                args: tuple, kwargs: dict, *, distributed_attention: bool = True,
+                compile: CompileSettings | None = None, weights: tuple[float, ...] | None = None,
+                ulysses_chunks: int = 1):
+    """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has);
+    ``compile``: the plan's blocks run compiled (compile_regions); ``weights``: relative speed
+    per global rank, for a weighted token split or VAE bands (None or all equal: the even split);
+    ``ulysses_chunks``: head groups of a pure Ulysses exchange that overlap the attention."""
+    if plan.kind == "vae":  # every rank decodes (or encodes) a band of rows; see vae_bands
+        return run_vae(module, plan, mesh.group("world"), mesh.size("world"), mesh.local_rank("world"), call,
+                       args, kwargs, communicate=distributed_attention, weights=group_weights(mesh, "world", weights))
+    if plan.kind == "encoder":  # every rank holds a slice of every layer; the whole input everywhere
+        with tensor_parallel(module, plan.tensor_parallel, mesh.group("world"), mesh.size("world")):
+            return call(*args, **kwargs)
+    bound = inspect.signature(signature_of).bind(*args, **kwargs)
+    first = next(iter(bound.arguments.values()))
+    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
+    split = cfg.plan_split(batch, mesh.size("cfg"), mesh.local_rank("cfg"))
+    cfg.split_bound(bound, split)
+    with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")), \
+            context_parallel(module, plan, bound, sp=sequence_parallel(mesh, ulysses_chunks), sp_group=mesh.group("sp"),
+                             distributed_attention=distributed_attention, weights=group_weights(mesh, "sp", weights)), \
+            compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)):
+        out = call(*bound.args, **bound.kwargs)
+    return cfg.gather_output(out, split, mesh.group("cfg"))

@@ -1,0 +1,147 @@
+"""Where a plan's names land in a model: module patterns, forward arguments, tuple items.
+
+A plan names modules by glob patterns per dotted segment over ``named_modules()`` (``blocks.*``
+is every block, ``single_blocks.-1`` the last one) and inputs by their parameter name in
+``forward``. The engines that apply plans (``parallel/``), the tensor-parallel cuts
+(``weights/shards.py``) and layout auto find what a plan names here, and ``check_plan_matches``
+refuses a model that is not built the way its plan was written for.
+"""
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import weakref
+
+import torch
+
+from .base import ModelPlan, PlanMismatch, comfyui_release
+from .tensor_parallel import Layer, TensorParallelError, TensorParallelPlan
+
+
+_SIGNATURES: "weakref.WeakKeyDictionary[type, tuple[list[str], bool, set[str]]]" = weakref.WeakKeyDictionary()
+
+
+def forward_signature(module: torch.nn.Module) -> tuple[list[str], bool, set[str]]:
+    """(positional parameters of ``forward`` after self, whether it takes **kwargs, every parameter name)."""
+    cls = type(module)
+    found = _SIGNATURES.get(cls)
+    if found is None:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # drop self
+        positional = [p.name for p in params
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        named = {p.name for p in params if p.kind != inspect.Parameter.VAR_POSITIONAL}
+        var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+        found = _SIGNATURES[cls] = (positional, var_kw, named)
+    return found
+
+
+def _position_of(module: torch.nn.Module, arg: str) -> int | None:
+    positional = forward_signature(module)[0]
+    return positional.index(arg) if arg in positional else None
+
+
+def on_item(value, item: int | None, fn):
+    """``fn(value)`` for a tensor (``item`` None) or the tuple with ``fn`` applied to element
+    ``item``; None where the form does not match (so specs for both forms can stand side by side)."""
+    if item is None:
+        return fn(value) if isinstance(value, torch.Tensor) else None
+    if isinstance(value, tuple) and len(value) > item and isinstance(value[item], torch.Tensor):
+        items = list(value)
+        items[item] = fn(items[item])
+        return tuple(items)
+    return None
+
+
+def replace_arguments(module, args, kwargs, specs, cut):
+    """A forward pre-hook's (args, kwargs) with each ``spec.arg`` replaced by ``cut(value, spec)``
+    (by keyword or by its position in ``forward``), where that is not None."""
+    args = list(args)
+    for spec in specs:
+        if spec.arg in kwargs:
+            new = cut(kwargs[spec.arg], spec)
+            if new is not None:
+                kwargs[spec.arg] = new
+            continue
+        pos = _position_of(module, spec.arg)
+        if pos is not None and pos < len(args):
+            new = cut(args[pos], spec)
+            if new is not None:
+                args[pos] = new
+    return tuple(args), kwargs
+
+
+def path_matches(name: str, pattern: str) -> bool:
+    """Glob match per dotted segment: ``blocks.*`` is every block, not every module inside one."""
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+
+
+def _is_last_child(root: torch.nn.Module, parts: list[str], i: int) -> bool:
+    parent = root.get_submodule(".".join(parts[:i])) if i else root
+    children = [name for name, _ in parent.named_children()]
+    return bool(children) and children[-1] == parts[i]
+
+
+def _matches_with_last(root: torch.nn.Module, name: str, pattern: str) -> bool:
+    """``-1`` names the last child of its parent, whatever the depth of this model:
+    ``single_blocks.-1`` the last block, ``layers.*.adaLN_modulation.-1`` the last module of
+    each block's modulation (a Sequential whose length differs between variants)."""
+    pats = pattern.split(".")
+    if "-1" not in pats:
+        return path_matches(name, pattern)
+    parts = name.split(".")
+    if not path_matches(name, ".".join("*" if p == "-1" else p for p in pats)):
+        return False
+    return all(_is_last_child(root, parts, i) for i, p in enumerate(pats) if p == "-1")
+
+
+_MATCHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, list]]" = weakref.WeakKeyDictionary()
+
+
+def matching_modules(root: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
+    """Submodules whose qualified name matches ``pattern`` (cached per root: walking a
+    40-block model on every forward would cost milliseconds)."""
+    per_root = _MATCHES.setdefault(root, {})
+    found = per_root.get(pattern)
+    if found is None:
+        found = [(name, mod) for name, mod in root.named_modules() if name and _matches_with_last(root, name, pattern)]
+        per_root[pattern] = found
+    return found
+
+
+def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
+    """The model is built the way the plan was written for: every pattern names a module (a
+    plan that silently matched nothing would leave attention local-only), and every argument the
+    plan cuts is still a parameter of the forward it hooks (or a cut would silently not happen)."""
+    cp = plan.context_parallel
+    for pattern in (*cp.inputs, *cp.outputs, *cp.attention):
+        if not matching_modules(root, pattern):
+            raise PlanMismatch(f"{plan.title} plan: no module matches '{pattern}' in {type(root).__name__} of "
+                               f"{comfyui_release()}; this model variant is not covered by the plan")
+    for pattern, splits in cp.inputs.items():
+        for name, module in matching_modules(root, pattern):
+            _, var_kw, named = forward_signature(module)
+            missing = [s.arg for s in splits if s.arg not in named and not var_kw]
+            if missing:
+                raise PlanMismatch(
+                    f"{plan.title} plan: {name} ({type(module).__name__}) of {comfyui_release()} takes no "
+                    f"{', '.join(map(repr, sorted(set(missing))))}, which the plan cuts across ranks: this ComfyUI "
+                    "builds the model differently from what the plan was written for. Refused rather than computing "
+                    "a wrong result; run this model without Shard Transformer here, or use a pack release that "
+                    "knows it")
+
+
+def layer_specs(root: torch.nn.Module, plan: TensorParallelPlan) -> list[tuple[str, torch.nn.Module, Layer]]:
+    found, seen = [], set()
+    for pattern, spec in plan.layers.items():
+        matches = matching_modules(root, pattern)
+        if not matches and pattern in plan.optional:
+            continue
+        if not matches:
+            raise TensorParallelError(f"tensor-parallel plan: no module matches '{pattern}' in "
+                                      f"{type(root).__name__}")
+        for name, mod in matches:
+            if id(mod) not in seen:
+                seen.add(id(mod))
+                found.append((name, mod, spec))
+    return found

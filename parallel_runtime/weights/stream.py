@@ -1,0 +1,224 @@
+"""Weights from rank 0's device memory to every rank's device, in byte buckets.
+
+Rank 0 sends every worker a skeleton (``pickling.pack_skeleton``: the structure, no data)
+and, per slot, its shape, dtype and tensor-parallel cut. Each rank allocates its slots on its
+own device at its own shape (a TP rank at its slice's shape) and unpickles. The data follows
+slot after slot as raw bytes, so every dtype travels alike (fp8 and bool included):
+
+- replicated tensors: one broadcast per bucket, the same bytes to every rank;
+- TP slices: one scatter per bucket, each rank receiving the slices of its TP coordinate.
+
+Buckets are cut by a rule both sides apply to the shapes alone (``StreamLayout``), so the
+collectives line up without sizes on the wire. Rank 0 computes each tensor as the forward
+would use it (``weight_of``: ComfyUI's patches applied) on its device, one tensor at a time:
+beside the weights, at most one bucket per rank exists on rank 0's device, and nothing is
+copied to host memory (unless gloo meets CUDA tensors: ``comm`` stages those).
+
+Two channels carry the buckets:
+
+- ``ProcessGroupChannel``: the world's process group (NCCL between GPUs, also across hosts).
+- ``HandleChannel``: one host without NCCL (several ranks sharing a GPU through gloo): each
+  bucket travels as a CUDA IPC handle over the worker's control connection and the worker
+  copies it device to device (measured on an H100: 4 GiB in 7 ms, where gloo's broadcast of
+  CUDA tensors moves 2.1 GB/s). On the CPU the same channel hands over shared-memory buckets,
+  which is how the tests run it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .shards import Cut
+from ..distributed import comm
+
+BUCKET_BYTES = 64 * 2**20  # per rank and per bucket: small beside the weights, large for the links
+TRIAL_BUCKET_BYTES = 2**20  # what model_copies exports once to check that CUDA IPC handles work
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One slot of a skeleton: its full shape, dtype and TP cut (None: replicated)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    cut: Cut | None = None
+
+    def local_shape(self, tp_size: int) -> tuple[int, ...]:
+        return self.cut.shape(self.shape, tp_size) if self.cut is not None else self.shape
+
+    def local_nbytes(self, tp_size: int) -> int:
+        return math.prod(self.local_shape(tp_size)) * self.dtype.itemsize
+
+    def wire(self) -> tuple:
+        """Builtins only (a class of this pack pickled on rank 0 names its import path there)."""
+        cut = None if self.cut is None else (self.cut.what, self.cut.kind, self.cut.dim, self.cut.sizes, self.cut.kv)
+        return (self.shape, self.dtype, cut)
+
+    @classmethod
+    def from_wire(cls, item) -> "Entry":
+        shape, dtype, cut = item
+        return cls(tuple(shape), dtype, None if cut is None else Cut(*cut))
+
+
+class StreamLayout:
+    """The collectives of one weight stream, in order: ``(kind, entry indices, bytes per rank)``
+    with kind "broadcast" (replicated entries) or "scatter" (TP slices). Both sides build it
+    from the entries alone."""
+
+    def __init__(self, entries: list[Entry], tp_size: int, bucket_bytes: int = BUCKET_BYTES):
+        self.ops: list[tuple[str, list[int], int]] = []
+        open_: dict[str, tuple[list[int], int]] = {"broadcast": ([], 0), "scatter": ([], 0)}
+        for i, entry in enumerate(entries):
+            kind = "broadcast" if entry.cut is None else "scatter"
+            n = entry.local_nbytes(tp_size)
+            members, total = open_[kind]
+            if members and total + n > bucket_bytes:
+                self.ops.append((kind, members, total))
+                members, total = [], 0
+            open_[kind] = (members + [i], total + n)
+        for kind in ("broadcast", "scatter"):
+            members, total = open_[kind]
+            if members:
+                self.ops.append((kind, members, total))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(total for _, _, total in self.ops)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def allocate(entries: list[Entry], tp_size: int, device) -> list[torch.Tensor]:
+    return [torch.empty(e.local_shape(tp_size), dtype=e.dtype, device=device) for e in entries]
+
+
+# ---------------------------------------------------------------- channels
+class ProcessGroupChannel:
+    """Buckets through the world's process group (rank 0 is the source)."""
+
+    shares_buckets = False  # a collective only reads the source bucket
+
+    def send_broadcast(self, bucket: torch.Tensor) -> None:
+        comm.broadcast(bucket, src=0)
+
+    def send_scatter(self, payloads: list[torch.Tensor]) -> None:
+        own = torch.empty_like(payloads[0])
+        comm.scatter(own, payloads, src=0)
+
+    def recv_broadcast(self, nbytes: int, device) -> torch.Tensor:
+        bucket = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        comm.broadcast(bucket, src=0)
+        return bucket
+
+    def recv_scatter(self, nbytes: int, device) -> torch.Tensor:
+        bucket = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        comm.scatter(bucket, None, src=0)
+        return bucket
+
+    def received(self) -> None:
+        pass
+
+
+class HandleChannel:
+    """Buckets as IPC handles over the control connections (one host, no NCCL).
+
+    Rank 0 side: ``send(rank, tensor)`` delivers a handle, ``confirm()`` waits until every
+    worker copied the bucket (so rank 0 may free it). Worker side: ``conn`` to rank 0."""
+
+    shares_buckets = True  # a handle exposes the bucket's whole storage: never a tensor of the model's
+
+    def __init__(self, send=None, confirm=None, conn=None):
+        self._send, self._confirm, self._conn = send, confirm, conn
+
+    def send_broadcast(self, bucket: torch.Tensor) -> None:
+        self._send(None, bucket)
+        self._confirm()
+
+    def send_scatter(self, payloads: list[torch.Tensor]) -> None:
+        self._send(payloads, None)
+        self._confirm()
+
+    def _recv(self) -> torch.Tensor:
+        kind, bucket = self._conn.recv()
+        if kind != "bucket":
+            raise RuntimeError(f"weight stream: expected a bucket from rank 0, got {kind!r}")
+        return bucket
+
+    def recv_broadcast(self, nbytes: int, device) -> torch.Tensor:
+        return self._recv()
+
+    recv_scatter = recv_broadcast
+
+    def received(self) -> None:
+        self._conn.send(("bucket_done",))
+
+
+# ---------------------------------------------------------------- both ends
+def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coords: list[int],
+         keep_coord: int | None = None, bucket_bytes: int = BUCKET_BYTES) -> list[torch.Tensor] | None:
+    """Rank 0's side. ``weight_of(i)`` gives entry i's tensor as the forward uses it;
+    ``tp_coords[r]`` is world rank r's TP coordinate. With ``keep_coord`` rank 0 keeps, per
+    entry, its own tensor (its slice at that coordinate, on ``device``) and returns them."""
+    kept: list[torch.Tensor | None] | None = [None] * len(entries) if keep_coord is not None else None
+    layout = StreamLayout(entries, tp_size, bucket_bytes)
+    for kind, members, _ in layout.ops:
+        if kind == "broadcast":
+            pieces = []
+            for i in members:
+                w = weight_of(i)
+                w = w if w.device == torch.device(device) else w.to(device)
+                pieces.append(_bytes(w))
+                if kept is not None:
+                    kept[i] = w
+            if len(pieces) > 1:
+                bucket = torch.cat(pieces)
+            else:
+                bucket = pieces[0].clone() if channel.shares_buckets else pieces[0]
+            channel.send_broadcast(bucket)
+            comm.PROGRESS.tick()
+            del bucket, pieces
+            continue
+        per_coord: list[list[torch.Tensor]] = [[] for _ in range(tp_size)]
+        for i in members:
+            w = weight_of(i)
+            w = w if w.device == torch.device(device) else w.to(device)
+            for c in range(tp_size):
+                part = entries[i].cut.apply(w, c, tp_size)
+                per_coord[c].append(_bytes(part))
+                if kept is not None and c == keep_coord:
+                    kept[i] = part
+            del w
+        payload = [torch.cat(p) if len(p) > 1 else p[0] for p in per_coord]
+        channel.send_scatter([payload[c] for c in tp_coords])
+        comm.PROGRESS.tick()
+        del payload, per_coord
+    return kept
+
+
+def receive(entries: list[Entry], slots: list[torch.Tensor], channel, device, tp_size: int,
+            bucket_bytes: int = BUCKET_BYTES) -> None:
+    """A worker's side: fill ``slots`` (allocated by ``allocate``) in the order rank 0 sends."""
+    layout = StreamLayout(entries, tp_size, bucket_bytes)
+    for kind, members, total in layout.ops:
+        bucket = channel.recv_broadcast(total, device) if kind == "broadcast" else channel.recv_scatter(total, device)
+        if bucket.numel() != total:
+            raise RuntimeError(f"weight stream: a bucket of {bucket.numel()} bytes arrived where {total} were expected")
+        offset = 0
+        for i in members:
+            dst = _bytes_view(slots[i])
+            dst.copy_(bucket[offset: offset + dst.numel()])
+            offset += dst.numel()
+        del bucket
+        channel.received()
+        comm.PROGRESS.tick()
+    # The copies above are queued on the device: the worker says "loaded" (and rank 0 times the
+    # send) only once they are done.
+    comm.synchronize(device)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)

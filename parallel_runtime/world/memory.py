@@ -1,0 +1,180 @@
+"""Per-process memory figures. PSS counts shared pages once across processes
+(RSS counts them in every process that maps them), so it is the honest measure
+of what N ranks sharing one copy of the weights cost; USS is what only that process holds."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import sys
+
+import psutil
+import torch
+
+from . import protocol
+from ..distributed import comm
+
+try:
+    import resource  # POSIX only
+except ImportError:
+    resource = None
+
+
+def process_memory(pid: int) -> dict:
+    try:
+        proc = psutil.Process(pid)
+        try:
+            full = proc.memory_full_info()
+            return {"rss_bytes": int(full.rss), "pss_bytes": int(getattr(full, "pss", full.rss)),
+                    "uss_bytes": int(full.uss)}
+        except (psutil.AccessDenied, AttributeError):
+            return {"rss_bytes": int(proc.memory_info().rss), "pss_bytes": None, "uss_bytes": None}
+    except Exception:  # psutil missing or the process is gone
+        return {"rss_bytes": None, "pss_bytes": None, "uss_bytes": None}
+
+
+def release_free_heap(collect: bool = True) -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim). A CPU rank's forward
+    allocates and frees large temporaries (dequantized weights, attention buffers); once
+    glibc's dynamic mmap threshold has grown it keeps them mapped, so each rank would hold
+    a step's worth of dead heap between steps. ``collect``: run Python's collector first (not
+    after every step: on a large heap it takes longer than the trim)."""
+    if collect:
+        gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+# ---------------------------------------------------------------- peaks of the last prompt
+def current_prompt():
+    """The id of the prompt ComfyUI runs now (its prompt worker sets ``last_prompt_id`` before it
+    executes one), or None outside a ComfyUI server (scripts, tests)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    return getattr(instance, "last_prompt_id", None)
+
+
+def rss_peak_bytes() -> int | None:
+    """This process's peak resident set (VmHWM, reset by ``reset_rss_peak``; else ru_maxrss: since start)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if resource is None:
+        return None
+    try:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+    except OSError:
+        return None
+
+
+def reset_rss_peak() -> bool:
+    """Set the peak resident set back to the current one (Linux: 5 into /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """This process's memory high-water marks for the last prompt, as the seeds' --track-memory
+    shows them: on CUDA ranks torch's peak allocated and reserved bytes, on every rank the peak
+    RSS (the kernel's VmHWM) and, on CPU ranks, the peak USS (sampled at the end of each forward
+    and load, the largest kept: USS has no kernel high-water mark).
+
+    The rule: every rank resets its peaks at its first forward of a new prompt. Rank 0 reads the
+    prompt id from ComfyUI (``current_prompt``) and sends it with each forward; ``begin(prompt)``
+    resets when it differs from the last one seen. Outside ComfyUI (no prompt id) the peaks run
+    from the first forward on. What happens before a prompt's first forward (its weight send, say)
+    counts in the previous prompt's peaks.
+
+    ``device_peaks`` / ``reset_device`` / ``uss`` are replaceable (tests fake the CUDA branch)."""
+
+    _UNSEEN = object()
+
+    def __init__(self, device_peaks=None, reset_device=None, uss=None):
+        self.device_peaks = device_peaks or _device_peaks
+        self.reset_device = reset_device or _reset_device_peaks
+        self.uss = uss or (lambda: process_memory(os.getpid())["uss_bytes"])
+        self.prompt = self._UNSEEN
+        self.uss_peak: int | None = None
+        self.rss_resets = True  # False where the kernel's peak cannot be reset: the RSS peak runs from start
+
+    @property
+    def prompt_id(self):
+        """The prompt these peaks are of (None: none seen yet, or outside ComfyUI)."""
+        return None if self.prompt is self._UNSEEN else self.prompt
+
+    def begin(self, prompt, device) -> bool:
+        """A forward of ``prompt`` starts: reset the peaks if it is a new one (returns whether)."""
+        if self.prompt is not self._UNSEEN and prompt == self.prompt:
+            return False
+        self.prompt = prompt
+        self.reset_device(torch_device(device))
+        self.rss_resets = reset_rss_peak()
+        self.uss_peak = None
+        return True
+
+    def sample(self, device) -> None:
+        """Take a USS sample (CPU ranks; on accelerators reading smaps each step is not worth it)."""
+        if torch_device(device).type != "cpu":
+            return
+        uss = self.uss()
+        if uss is not None:
+            self.uss_peak = uss if self.uss_peak is None else max(self.uss_peak, uss)
+
+    def figures(self, device) -> dict:
+        """The peaks as the status route shows them (None: not measured on this rank)."""
+        allocated, reserved = self.device_peaks(torch_device(device))
+        return {"gpu_peak_allocated_bytes": allocated, "gpu_peak_reserved_bytes": reserved,
+                "rss_peak_bytes": rss_peak_bytes(), "uss_peak_bytes": self.uss_peak, **comm.HOST.stats()}
+
+    def row(self, device) -> list[float]:
+        """protocol.MEMORY_FIELDS of this rank's status row (-1: not measured)."""
+        f = self.figures(device)
+        keys = ("gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "rss_peak_bytes", "uss_peak_bytes",
+                "host_pinned_bytes", "host_kept_bytes")
+        return [-1.0 if f[k] is None else float(f[k]) for k in keys]
+
+
+def figures_from_row(row) -> dict:
+    """The inverse of ``PeakMemory.row`` (rank 0 reading a worker's row): None for -1 or a short row."""
+    values = list(row[protocol.MEMORY_FIELDS]) if len(row) >= protocol.MEMORY_FIELDS.stop else []
+    keys = ("gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "rss_peak_bytes", "uss_peak_bytes",
+            "host_pinned_bytes", "host_kept_bytes")
+    return {k: (int(v) if v >= 0 else None) for k, v in zip(keys, values)} if values else dict.fromkeys(keys)
+
+
+def torch_device(device):
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _device_peaks(device):
+    return protocol.device_peaks(device)
+
+
+def _reset_device_peaks(device):
+    protocol.reset_device_peaks(device)
+
+
+PEAKS = PeakMemory()  # this process's
+
+
+def with_current(peaks: dict, current: dict, device) -> dict:
+    """``peaks`` (a rank's last report) made consistent with ``current`` (process_memory read now):
+    a peak is never below what the process holds now. USS peaks are CPU ranks' only."""
+    out = dict(peaks)
+    for peak_key, now_key in (("rss_peak_bytes", "rss_bytes"), ("uss_peak_bytes", "uss_bytes")):
+        if peak_key == "uss_peak_bytes" and torch_device(device).type != "cpu":
+            continue
+        values = [v for v in (out.get(peak_key), current.get(now_key)) if v]
+        out[peak_key] = max(values) if values else None
+    return out

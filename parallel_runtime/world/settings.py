@@ -1,0 +1,72 @@
+"""What a World reads from the environment: its timeouts and its knobs, in one place.
+
+Read when the module is imported (the timeouts) or at every use (the knobs), on rank 0. Tests
+that shorten a timeout set it here.
+"""
+from __future__ import annotations
+
+import os
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+STARTUP_TIMEOUT_S = _env_seconds("PARALLEL_STARTUP_TIMEOUT_S", 180)
+
+
+# How long a guarded section (a forward, a decode) may go without any rank completing a
+# collective before the watchdog takes it for a hang: not the length of the section, which may be
+# anything while the ranks progress.
+COLLECTIVE_TIMEOUT_S = _env_seconds("PARALLEL_COLLECTIVE_TIMEOUT_S", 300)
+
+
+# The backends' own timeout for one collective: later than the watchdog's, which names the rank that hung.
+BACKEND_TIMEOUT_S = COLLECTIVE_TIMEOUT_S + 60
+
+
+SHUTDOWN_GRACE_S = 15.0  # for workers to unmap their weights and exit when told to
+
+
+PROBE_ENV = "PARALLEL_PROBE"  # "0": no link and compute probe at world start (unless layout is auto)
+
+
+# Pure Ulysses exchanges the heads in this many groups, each group's all-to-all overlapping the
+# attention of the others (read on rank 0 at every forward; 1, the default: one exchange).
+ULYSSES_CHUNKS_ENV = "PARALLEL_ULYSSES_CHUNKS"
+
+
+def ulysses_chunks_setting() -> int:
+    raw = os.environ.get(ULYSSES_CHUNKS_ENV, "1").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ULYSSES_CHUNKS_ENV}={raw!r}: give a whole number of head groups, 1 or more "
+                         "(1: one all-to-all per attention, no overlap)")
+    return int(raw)
+
+
+def mirrored_comfy_args(device_type: str) -> dict:
+    """ComfyUI's command-line settings, for the workers to start with the same ones (attention
+    backend, precision flags): every rank must compute the same way. Only plain values travel."""
+    out = {}
+    try:
+        import comfy.cli_args
+
+        for key, value in vars(comfy.cli_args.args).items():
+            if value is None or isinstance(value, (bool, int, float, str)):
+                out[key] = value
+    except ImportError:
+        pass
+    out["cpu"] = device_type == "cpu"
+    out.pop("cuda_device", None)  # each worker has its own device
+    return out
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    """CPU ranks share the cores: one share each, unless PARALLEL_CPU_THREADS_PER_RANK says otherwise."""
+    env = os.environ.get("PARALLEL_CPU_THREADS_PER_RANK")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) // world_size)
