@@ -16,7 +16,8 @@ from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import check_plan_matches, find_plan, supported_models_text
 from ..parallel_runtime.plans.base import PlanMismatch
 from ..parallel_runtime.world.runtime import RUNTIME
-from ..parallel_runtime.weights.shards import quantized_layers, quantized_message, shard_nbytes, valid_sizes
+from ..parallel_runtime.layout.refusal import plan_refusal
+from ..parallel_runtime.weights.shards import shard_nbytes
 from ..parallel_runtime.comfyui_glue.first_step_check import FirstStep, requested
 from .parallel_config import ParallelConfigType
 
@@ -35,31 +36,9 @@ def check_model(diffusion_model, config: ParallelConfig):
         check_plan_matches(diffusion_model, plan)  # built the way the plan was written for, or refused now
     except PlanMismatch as exc:
         raise ConfigError(f"{NODE}: {exc}") from exc
-    for dim, size in config.mesh_sizes.items():
-        if size > 1 and dim not in plan.supports:
-            raise ConfigError(f"{NODE}: {plan.title} supports {', '.join(plan.supports)} here, not "
-                              f"{dim}_size={size}; set {dim}_size to 1")
-    heads = plan.heads(diffusion_model)
-    tp = config.tp_size
-    if tp > 1:
-        quantized = quantized_layers(diffusion_model, plan.tensor_parallel, tp)
-        if quantized:
-            (name, reason), more = quantized[0], len(quantized) - 1
-            raise ConfigError(f"{NODE}: " + quantized_message(f"this {plan.title} model's layer {name}"
-                                                              + (f" (and {more} more)" if more else ""), reason))
-        valid = valid_sizes(diffusion_model, plan.tensor_parallel, heads)
-        if tp not in valid:
-            sizes = ", ".join(f"{name} {int(_attr(diffusion_model, path))}"
-                              for name, path in plan.tensor_parallel.divisible.items())
-            raise ConfigError(f"{NODE}: tp_size={tp} does not divide this {plan.title} model's {heads} attention "
-                              f"heads and {sizes}; valid tp_size values: {', '.join(map(str, valid))}")
-    local_heads = heads // tp
-    if local_heads % config.ulysses_size:
-        valid = [d for d in range(1, local_heads + 1) if local_heads % d == 0]
-        per_rank = f" ({local_heads} per tensor-parallel rank)" if tp > 1 else ""
-        raise ConfigError(f"{NODE}: ulysses_size={config.ulysses_size} does not divide the {heads} attention "
-                          f"heads of this {plan.title} model{per_rank}; valid ulysses_size values: "
-                          f"{', '.join(map(str, valid))}")
+    why = plan_refusal(diffusion_model, plan, config.mesh_sizes)  # the one check layout auto reads too
+    if why is not None:
+        raise ConfigError(f"{NODE}: {why}")
     return plan
 
 
@@ -72,13 +51,6 @@ def transformer_sharding(model, diffusion_model, plan, config: ParallelConfig) -
                     model_bytes=comfy.model_management.module_size(model.model),
                     sharded_bytes=comfy.model_management.module_size(diffusion_model),
                     rank0_bytes=shard_nbytes(diffusion_model, plan.tensor_parallel, tp), release=RUNTIME.release)
-
-
-def _attr(root, path: str):
-    value = root
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
 
 
 class ShardTransformerNode(io.ComfyNode):

@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from conftest import PACK  # the pack as ComfyUI imports it (its nodes)
 from parallel_runtime.layout import auto as auto_layout, cost_model
 from parallel_runtime.config import ConfigError, HostDevices, build_config
 from parallel_runtime.plans import find_plan
@@ -79,6 +80,12 @@ def test_cfg_is_never_chosen_at_cfg_1_and_heads_that_do_not_divide_are_refused(w
     assert runnable and all(p.sizes["cfg"] == 1 for p in runnable)
     assert "nothing to split" in refused["cfg4"] and "nothing to split" in refused["cfg2 x ulysses2"]
     assert "does not divide" in refused["ulysses4"]  # the tiny Wan has 2 heads
+    # One rule: Shard Transformer (the pack as ComfyUI imports it) refuses that layout in the same words.
+    pack_config = PACK.parallel_runtime.config
+    with pytest.raises(pack_config.ConfigError) as node_refusal:
+        PACK.nodes.shard_transformer.check_model(model, pack_config.build_config(
+            ulysses_size=4, devices="cpu,cpu,cpu,cpu", host=pack_config.HostDevices("cpu", cpu_count=4)))
+    assert str(node_refusal.value) == f"Shard Transformer: {refused['ulysses4']}"
     two = shape_of(model, inputs(2))
     runnable, refused = auto_layout.choose(model, plan, two, fake_probe(4), config, 4)
     assert any(p.sizes["cfg"] == 2 for p in runnable) and "cfg2 x ring2" not in refused

@@ -22,7 +22,8 @@ import torch
 
 from . import cost_model
 from .probe import median_seconds, model_attention_function
-from ..config import MESH_DIMS, describe_sizes
+from .refusal import plan_refusal
+from ..config import describe_sizes
 from ..distributed.mesh import MeshLayout
 from ..parallel import scoped_hooks
 from ..parallel.attention import attention_with_lse
@@ -33,7 +34,6 @@ from ..plans.matching import matching_modules, on_item, replace_arguments
 from ..plans.matching import layer_specs
 from ..plans.tensor_parallel import Norm, Rowwise
 from ..weights import pickling
-from ..weights.shards import quantized_layers, valid_sizes
 
 log = logging.getLogger("parallel")
 
@@ -186,25 +186,18 @@ def matmul_rate(shape: cost_model.ModelShape, world_size: int, device: torch.dev
 
 
 def refusal(module, plan: ModelPlan, sizes: dict[str, int], shape: cost_model.ModelShape, config) -> str | None:
-    """Why this model cannot run in this layout, or None."""
-    for dim in MESH_DIMS:
-        if sizes[dim] > 1 and dim not in plan.supports:
-            return f"{plan.title} has no {dim} plan"
+    """Why this model cannot run in this layout, or None: the plan's own check (the one Shard
+    Transformer makes, layout/refusal.py), then what only a run's shape and the hosts can say."""
+    why = plan_refusal(module, plan, sizes)
+    if why is not None:
+        return why
     if sizes["cfg"] > 1 and shape.batch % sizes["cfg"]:
         return (f"a batch of {shape.batch} (CFG 1 gives one entry) has nothing to split over {sizes['cfg']} cfg "
                 "groups: they would compute the same thing")
-    tp, heads = sizes["tp"], shape.heads
-    if tp > 1:
-        if tp not in valid_sizes(module, plan.tensor_parallel, heads):
-            return f"tp {tp} does not divide the model's heads or widths"
-        quantized = quantized_layers(module, plan.tensor_parallel, tp)
-        if quantized:
-            return f"layer {quantized[0][0]} cannot be cut for tp {tp}: {quantized[0][1]}"
-        for name, count in config.hosts:
-            if count % tp:
-                return f"host {name} has {count} ranks, not a multiple of tp {tp}"
-    if (heads // tp) % sizes["ulysses"]:
-        return f"ulysses {sizes['ulysses']} does not divide the {heads // tp} heads per tensor-parallel rank"
+    tp = sizes["tp"]
+    for name, count in config.hosts if tp > 1 else ():
+        if count % tp:
+            return f"host {name} has {count} ranks, not a multiple of tp {tp}"
     return None
 
 
