@@ -26,8 +26,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from . import protocol
-from .memory import PEAKS, release_free_heap
+from . import memory, protocol
+from .memory import release_free_heap
 from ..distributed import comm
 from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout import probe
@@ -273,7 +273,7 @@ class _Server:
 
     def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None,
                    layout=None, weights=(), ulysses_chunks: int = 1, prompt=None) -> None:
-        PEAKS.begin(prompt, self.device)  # a new prompt: this rank's memory peaks start again
+        memory.PEAKS.begin(prompt, self.device)  # a new prompt: this rank's memory peaks start again
         started = time.perf_counter()
         self._maybe_inject_fault("start")
         module, plan = self.models[key]
@@ -338,8 +338,8 @@ class _Server:
         allocated, reserved = protocol.device_memory(self.device)
         row = self.status_table[self.rank]
         row[4], row[5] = (-1.0, -1.0) if allocated is None else (float(allocated), float(reserved))
-        PEAKS.sample(self.device)
-        row[protocol.MEMORY_FIELDS] = torch.tensor(PEAKS.row(self.device), dtype=torch.float64)
+        memory.PEAKS.sample(self.device)
+        row[protocol.MEMORY_FIELDS] = torch.tensor(memory.PEAKS.row(self.device), dtype=torch.float64)
         if self.remote:
             self.conn.send(("stats", self.status_table[self.rank].tolist() + [psutil.Process().memory_info().rss]))
 

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import protocol, settings
+from . import memory, protocol, settings
 from .cluster import listener_for, split_address
 from .dispatch import Dispatch
-from .memory import PEAKS, figures_from_row, process_memory, with_current
+from .memory import figures_from_row, process_memory, with_current
 from .spawn import PACK_ROOT, start_worker
 from .watchdog import Watchdog, prepare_nccl_environment
 from .workers import WorkerFailure, WorldStartError, _Worker
@@ -386,7 +386,7 @@ class World(Dispatch):
                 alive, device = True, self.config.devices[0]
                 last_ms, nbytes, forwards = self.last_forward_ms, self.param_bytes_rank0, self.forwards
                 gpu = protocol.device_memory(self.device)
-                peaks = PEAKS.figures(self.device)  # peaks of the last prompt, staging pool (memory.PeakMemory)
+                peaks = memory.PEAKS.figures(self.device)  # peaks of the last prompt, staging pool (memory.PeakMemory)
                 compiling, compiles, recompiles, hits, misses = compile_regions.watch().row()
             else:
                 w = self.workers[rank - 1]
@@ -423,7 +423,7 @@ class World(Dispatch):
                 "first_forward": self.first_forward, "probe": self.probe, "layout": self.config.layout,
                 "layouts": self.auto.status(), "notes": list(self.notes),
                 "state": self.state, "failure": self.failure, "forwards": self.forwards,
-                "compiling": any(r["compiling"] for r in ranks), "peaks_prompt": PEAKS.prompt_id,
+                "compiling": any(r["compiling"] for r in ranks), "peaks_prompt": memory.PEAKS.prompt_id,
                 "ranks": ranks}
 
 
