@@ -125,7 +125,7 @@ class PeakMemory:
 
     def sample(self, device) -> None:
         """Take a USS sample (CPU ranks; on accelerators reading smaps each step is not worth it)."""
-        if torch_device(device).type != "cpu":
+        if device_type(device) != "cpu":
             return
         uss = self.uss()
         if uss is not None:
@@ -153,8 +153,19 @@ def figures_from_row(row) -> dict:
     return {k: (int(v) if v >= 0 else None) for k, v in zip(keys, values)} if values else dict.fromkeys(keys)
 
 
-def torch_device(device):
+def torch_device(device) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def device_type(device) -> str | None:
+    """"cuda", "cpu", ... of a rank's device, or None where rank 0 does not know it (a rank on another
+    host is listed by its host, "@name", until it reports)."""
+    if isinstance(device, torch.device):
+        return device.type
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _device_peaks(device):
@@ -173,7 +184,7 @@ def with_current(peaks: dict, current: dict, device) -> dict:
     a peak is never below what the process holds now. USS peaks are CPU ranks' only."""
     out = dict(peaks)
     for peak_key, now_key in (("rss_peak_bytes", "rss_bytes"), ("uss_peak_bytes", "uss_bytes")):
-        if peak_key == "uss_peak_bytes" and torch_device(device).type != "cpu":
+        if peak_key == "uss_peak_bytes" and device_type(device) != "cpu":
             continue
         values = [v for v in (out.get(peak_key), current.get(now_key)) if v]
         out[peak_key] = max(values) if values else None

@@ -293,8 +293,7 @@ class _Server:
             torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels
         row = self.status_table[self.rank]
         row[0] = (time.perf_counter() - started) * 1e3
-        row[2] += 1
-        self._send_stats()
+        self._send_stats(forward_done=True)
         if self.device.type == "cpu":
             release_free_heap(collect=False)  # the step's freed temporaries, or each CPU rank keeps a step of dead heap
 
@@ -332,14 +331,17 @@ class _Server:
         self.status_table[self.rank][1] = float(param_bytes)
         self._send_stats()
 
-    def _send_stats(self) -> None:
+    def _send_stats(self, forward_done: bool = False) -> None:
         """This rank's row: current and peak memory (a USS sample on CPU ranks, at the end of each
-        forward and load: memory.PeakMemory) and the staging pool's pinned / kept bytes."""
+        forward and load: memory.PeakMemory) and the staging pool's pinned / kept bytes. A finished
+        forward is counted last, so whoever sees the new count sees that forward's figures."""
         allocated, reserved = protocol.device_memory(self.device)
         row = self.status_table[self.rank]
         row[4], row[5] = (-1.0, -1.0) if allocated is None else (float(allocated), float(reserved))
         memory.PEAKS.sample(self.device)
         row[protocol.MEMORY_FIELDS] = torch.tensor(memory.PEAKS.row(self.device), dtype=torch.float64)
+        if forward_done:
+            row[2] += 1
         if self.remote:
             self.conn.send(("stats", self.status_table[self.rank].tolist() + [psutil.Process().memory_info().rss]))
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import memory, protocol, settings
 from .cluster import listener_for, split_address
 from .dispatch import Dispatch
-from .memory import figures_from_row, process_memory, with_current
+from .memory import device_type, figures_from_row, process_memory, with_current
 from .spawn import PACK_ROOT, start_worker
 from .watchdog import Watchdog, prepare_nccl_environment
 from .workers import WorkerFailure, WorldStartError, _Worker
@@ -401,11 +401,13 @@ class World(Dispatch):
                 gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
                 compiling, compiles, recompiles, hits, misses = row[protocol.COMPILE_FIELDS]
                 peaks = figures_from_row(row)
-                if torch.device(device).type != "cuda":  # the row's zeros before its first report
+                # A CPU rank's row holds zeros there before its first report; a rank on another host
+                # (device "@host" here) says by its report whether it has a GPU.
+                if device_type(device) not in ("cuda", None) or gpu[0] is None:
                     peaks["gpu_peak_allocated_bytes"] = peaks["gpu_peak_reserved_bytes"] = None
             if rank > 0 and self.workers[rank - 1].host is not None:  # another host: what it reported
                 rss = row[len(STATUS_FIELDS)] if len(row) > len(STATUS_FIELDS) else None
-                mem = {"rss_bytes": int(rss) if rss else None, "pss_bytes": None}
+                mem = {"rss_bytes": int(rss) if rss else None, "pss_bytes": None, "uss_bytes": None}
             else:
                 mem = process_memory(pid) if alive else {"rss_bytes": None, "pss_bytes": None, "uss_bytes": None}
             peaks = with_current(peaks, mem, device)
