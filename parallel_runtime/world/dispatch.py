@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,22 @@ from ..weights import pickling
 from ..weights.shards import named_tensors
 
 log = logging.getLogger("parallel")
+
+
+@dataclass
+class _Call:
+    """One forward as rank 0 prepared it: the bound call, its layout, what the workers receive."""
+
+    plan: ModelPlan
+    method_name: str
+    bound: inspect.BoundArguments
+    trial: inspect.BoundArguments | None  # layout auto: the call rank 0 measures the run's shape with
+    layout: MeshLayout
+    spec: object
+    tensors: list
+    meta: list
+    t0: float
+    t_prepared: float
 
 
 class Dispatch:
@@ -77,86 +94,104 @@ class Dispatch:
         """
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
-        t0 = time.perf_counter()
         chunks = ulysses_chunks if ulysses_chunks is not None else settings.ulysses_chunks_setting()
-        plan = plan.for_module(module)
-        method_name = _method_name(method)
-        bound = inspect.signature(_method_of(module, method_name)).bind(*args, **kwargs)
-        check_supported_arguments(plan, bound)
-        choose = layout is None and self.config.auto_layout and plan.kind == "transformer"
-        if layout is not None and layout.world_size != self.world_size:
-            raise ValueError(f"layout {layout.sizes} has {layout.world_size} ranks; this world has {self.world_size}")
-        layout = layout or self.layout
-        if choose:  # the model runs alone on rank 0 up to its blocks: on its own copy of the options
-            trial = inspect.signature(_method_of(module, method_name)).bind(*bound.args, **bound.kwargs)
-            arguments.set_options(trial, dict(arguments.get_options(bound) or {}))
-        worker_bound = inspect.signature(_method_of(module, method_name)).bind(*bound.args, **bound.kwargs)
-        if plan.kind == "transformer":  # text encoders take no transformer_options
-            options = arguments.get_options(bound)
-            arguments.set_options(worker_bound, protocol.worker_transformer_options(options))
-        tensors: list = []
-        spec = protocol.flatten((worker_bound.args, worker_bound.kwargs), tensors)
-        meta = protocol.tensor_meta(tensors)
-        t_prepared = time.perf_counter()
+        call = self._prepare_call(module, plan, method, args, kwargs, layout)
         # Nothing has reached a worker yet: errors above leave the world usable.
         try:
-            if choose:  # inside: the ranks time the candidates, a failure there ends the world like any other
-                layout = self.auto.layout_for(module, plan, _method_of(module, method_name), trial.args, trial.kwargs)
-            if plan.kind == "transformer":
-                self._note_idle_cfg(layout, bound)
-            self.current_layout = layout
+            if call.trial is not None:  # inside: the ranks time the candidates, a failure there ends the world
+                call.layout = self.auto.layout_for(module, call.plan, _method_of(module, call.method_name),
+                                                   call.trial.args, call.trial.kwargs)
+            if call.plan.kind == "transformer":
+                self._note_idle_cfg(call.layout, call.bound)
+            self.current_layout = call.layout
             if weights is None:
                 weights = self.config.weights or (self.auto.weights_for(module) if self.config.auto_layout else ())
             sends = self.copies.sends
             with self.watchdog.guard("process groups", settings.STARTUP_TIMEOUT_S):
-                mesh = self.mesh_for(layout)
+                mesh = self.mesh_for(call.layout)
             with self.watchdog.guard("weight send", settings.STARTUP_TIMEOUT_S):
-                key, run_module = self.copies.ensure(module, plan, source, layout)
-            started = time.perf_counter()
-            with self._threads(), self.watchdog.guard("forward", settings.COLLECTIVE_TIMEOUT_S):
-                prompt = memory.current_prompt()  # a new prompt resets every rank's memory peaks
-                memory.PEAKS.begin(prompt, self.device)
-                for w in self.workers:
-                    w.conn.send(("forward", key, method_name, spec, meta, distributed_attention, compile,
-                                 list(layout.sizes), weights, chunks, prompt))
-                t_sent = time.perf_counter()
-                protocol.broadcast_tensors(tensors, meta, self.device)
-                t_broadcast = time.perf_counter()
-                # What rank 0 spends on dispatch besides the input broadcast (a collective).
-                self.last_dispatch = {"prepare_ms": (t_prepared - t0) * 1e3,
-                                      "weights_check_ms": (started - t_prepared) * 1e3,
-                                      "send_ms": (t_sent - started) * 1e3, "broadcast_ms": (t_broadcast - t_sent) * 1e3}
-                # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
-                # shard's method directly is what the wrapper chain would have done.
-                call = method if run_module is module else _method_of(run_module, method_name)
-                with compile_regions.watched(compile, (key, repr(layout.sizes)), meta):
-                    out = run_sharded(run_module, plan, mesh, call, _method_of(run_module, method_name),
-                                      bound.args, bound.kwargs, distributed_attention=distributed_attention,
-                                      compile=compile, weights=weights, ulysses_chunks=chunks)
-                comm.synchronize(self.device)  # a step's time, not the time to queue its kernels
-            self.last_forward_ms = (time.perf_counter() - started) * 1e3
-            memory.PEAKS.sample(self.device)  # USS peak (CPU ranks)
-            self.forwards += 1
+                key, run_module = self.copies.ensure(module, call.plan, source, call.layout)
+            out = self._run_everywhere(call, module, method, key, run_module, mesh, distributed_attention, compile,
+                                       weights, chunks)
             if self.first_forward is None:
-                self.first_forward = {"seconds": round(time.perf_counter() - t0, 3),
+                self.first_forward = {"seconds": round(time.perf_counter() - call.t0, 3),
                                       "after_ready_s": round(time.monotonic() - self.ready_at, 3)}
             if self.copies.sends != sends:  # this forward carried a model to the ranks
-                self.copies.last_send["forward_s"] = round(time.perf_counter() - t0, 3)
+                self.copies.last_send["forward_s"] = round(time.perf_counter() - call.t0, 3)
             return out
         except BaseException as exc:
             mesh = None  # noqa: F841  (this frame must not keep the subgroups open through the shutdown)
-            if self.watchdog.hung:  # it killed the workers: their deaths say nothing
-                failure = f"{self.watchdog.fired}; every rank was stopped and the next run starts fresh workers"
-            else:
-                failure = self._explain_failure(exc)
-                if failure is None and isinstance(exc, SectionStopped):
-                    failure = f"{exc}; every rank was stopped and the next run starts fresh workers"
-            self.failure = failure or f"rank 0: {type(exc).__name__}: {exc}"
-            self.state = "failed"
-            self.shutdown("a rank failed" if failure else f"rank 0 raised {type(exc).__name__}")
+            failure = self._fail(exc)
             if failure:
                 raise WorkerFailure(failure) from exc
             raise
+
+    def _prepare_call(self, module, plan: ModelPlan, method, args, kwargs, layout) -> "_Call":
+        """Bind the call on rank 0 and encode what the workers receive (nothing is sent yet)."""
+        t0 = time.perf_counter()
+        plan = plan.for_module(module)
+        method_name = _method_name(method)
+        signature = inspect.signature(_method_of(module, method_name))
+        bound = signature.bind(*args, **kwargs)
+        check_supported_arguments(plan, bound)
+        if layout is not None and layout.world_size != self.world_size:
+            raise ValueError(f"layout {layout.sizes} has {layout.world_size} ranks; this world has {self.world_size}")
+        trial = None
+        if layout is None and self.config.auto_layout and plan.kind == "transformer":
+            # The model runs alone on rank 0 up to its blocks to be measured: on its own copy of the options.
+            trial = signature.bind(*bound.args, **bound.kwargs)
+            arguments.set_options(trial, dict(arguments.get_options(bound) or {}))
+        worker_bound = signature.bind(*bound.args, **bound.kwargs)
+        if plan.kind == "transformer":  # text encoders take no transformer_options
+            arguments.set_options(worker_bound, protocol.worker_transformer_options(arguments.get_options(bound)))
+        tensors: list = []
+        spec = protocol.flatten((worker_bound.args, worker_bound.kwargs), tensors)
+        return _Call(plan, method_name, bound, trial, layout or self.layout, spec, tensors,
+                     protocol.tensor_meta(tensors), t0, time.perf_counter())
+
+    def _run_everywhere(self, call: "_Call", module, method, key, run_module, mesh, distributed_attention, compile,
+                        weights, chunks):
+        """The guarded section: the workers get the call and the inputs, rank 0 runs its part."""
+        started = time.perf_counter()
+        with self._threads(), self.watchdog.guard("forward", settings.COLLECTIVE_TIMEOUT_S):
+            prompt = memory.current_prompt()  # a new prompt resets every rank's memory peaks
+            memory.PEAKS.begin(prompt, self.device)
+            for w in self.workers:
+                w.conn.send(("forward", key, call.method_name, call.spec, call.meta, distributed_attention, compile,
+                             list(call.layout.sizes), weights, chunks, prompt))
+            t_sent = time.perf_counter()
+            protocol.broadcast_tensors(call.tensors, call.meta, self.device)
+            t_broadcast = time.perf_counter()
+            # What rank 0 spends on dispatch besides the input broadcast (a collective).
+            self.last_dispatch = {"prepare_ms": (call.t_prepared - call.t0) * 1e3,
+                                  "weights_check_ms": (started - call.t_prepared) * 1e3,
+                                  "send_ms": (t_sent - started) * 1e3, "broadcast_ms": (t_broadcast - t_sent) * 1e3}
+            # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
+            # shard's method directly is what the wrapper chain would have done.
+            own = _method_of(run_module, call.method_name)
+            with compile_regions.watched(compile, (key, repr(call.layout.sizes)), call.meta):
+                out = run_sharded(run_module, call.plan, mesh, method if run_module is module else own, own,
+                                  call.bound.args, call.bound.kwargs, distributed_attention=distributed_attention,
+                                  compile=compile, weights=weights, ulysses_chunks=chunks)
+            comm.synchronize(self.device)  # a step's time, not the time to queue its kernels
+        self.last_forward_ms = (time.perf_counter() - started) * 1e3
+        memory.PEAKS.sample(self.device)  # USS peak (CPU ranks)
+        self.forwards += 1
+        return out
+
+    def _fail(self, exc: BaseException) -> str | None:
+        """A forward failed after reaching the workers: which rank and why (None: rank 0's own error),
+        and the world goes down so that the next run starts fresh workers."""
+        if self.watchdog.hung:  # it killed the workers: their deaths say nothing
+            failure = f"{self.watchdog.fired}; every rank was stopped and the next run starts fresh workers"
+        else:
+            failure = self._explain_failure(exc)
+            if failure is None and isinstance(exc, SectionStopped):
+                failure = f"{exc}; every rank was stopped and the next run starts fresh workers"
+        self.failure = failure or f"rank 0: {type(exc).__name__}: {exc}"
+        self.state = "failed"
+        self.shutdown("a rank failed" if failure else f"rank 0 raised {type(exc).__name__}")
+        return failure
 
     def calibrate(self, run: dict, layouts: list) -> list[dict]:
         """Every rank times attention and a matmul at a run's size at once (layout/auto.py: calibrate)."""

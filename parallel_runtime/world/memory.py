@@ -7,6 +7,7 @@ import ctypes
 import gc
 import os
 import sys
+import time
 
 import psutil
 import torch
@@ -96,14 +97,23 @@ class PeakMemory:
     from the first forward on. What happens before a prompt's first forward (its weight send, say)
     counts in the previous prompt's peaks.
 
-    ``device_peaks`` / ``reset_device`` / ``uss`` are replaceable (tests fake the CUDA branch)."""
+    ``device_peaks`` / ``reset_device`` / ``uss`` are replaceable (tests fake the CUDA branch).
+
+    Reading USS walks every mapping of the process (smaps: about 20 ms with torch loaded, more in
+    ComfyUI): once per forward that doubled a small model's step. So samples are at least
+    ``interval_s`` apart (the first of each prompt always taken); the status route adds the USS it
+    reads itself, so a peak is never shown below the current figure."""
 
     _UNSEEN = object()
+    SAMPLE_INTERVAL_S = 1.0
 
-    def __init__(self, device_peaks=None, reset_device=None, uss=None):
+    def __init__(self, device_peaks=None, reset_device=None, uss=None, interval_s: float | None = None):
         self.device_peaks = device_peaks or _device_peaks
         self.reset_device = reset_device or _reset_device_peaks
         self.uss = uss or (lambda: process_memory(os.getpid())["uss_bytes"])
+        # An injected reader (tests) is cheap: every sample counts.
+        self.interval_s = interval_s if interval_s is not None else (self.SAMPLE_INTERVAL_S if uss is None else 0.0)
+        self._sampled_at: float | None = None
         self.prompt = self._UNSEEN
         self.uss_peak: int | None = None
         self.rss_resets = True  # False where the kernel's peak cannot be reset: the RSS peak runs from start
@@ -121,12 +131,17 @@ class PeakMemory:
         self.reset_device(torch_device(device))
         self.rss_resets = reset_rss_peak()
         self.uss_peak = None
+        self._sampled_at = None
         return True
 
     def sample(self, device) -> None:
         """Take a USS sample (CPU ranks; on accelerators reading smaps each step is not worth it)."""
         if device_type(device) != "cpu":
             return
+        now = time.monotonic()
+        if self._sampled_at is not None and now - self._sampled_at < self.interval_s:
+            return
+        self._sampled_at = now
         uss = self.uss()
         if uss is not None:
             self.uss_peak = uss if self.uss_peak is None else max(self.uss_peak, uss)
