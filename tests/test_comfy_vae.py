@@ -50,3 +50,28 @@ def test_a_shard_vae_config_of_another_world_size_than_the_transformer_is_refuse
                                            "Transformer of this workflow one of size 2"):
         tiny_server.run(bad, timeout=120)
     assert {r["pid"] for r in status(tiny_server)["ranks"]} <= before | {None}
+
+
+def test_one_parallel_config_with_layout_auto_feeds_shard_transformer_and_shard_vae(tiny_server, tiny_prompt):
+    """Issue 30: a Parallel Config with layout auto, sizes 1 and devices cpu,cpu is a world of 2 for
+    both nodes it feeds; Shard VAE once took the transformer's world for 1 (the raw sizes multiplied)
+    and refused the workflow. Accepted now, and the decode equals the one without Shard VAE."""
+    prompt = edited(tiny_prompt, KSampler={"seed": 307, "steps": 2},
+                    ParallelConfig={"ulysses_size": 1, "ring_size": 1, "tp_size": 1, "cfg_size": 1,
+                                    "devices": "cpu,cpu", "layout": "auto"})
+    (config,) = find_nodes(prompt, "ParallelConfig")
+    (vae_loader,) = find_nodes(prompt, "VAELoader")
+    (decode,) = find_nodes(prompt, "VAEDecode")
+    sharded = copy.deepcopy(prompt)
+    sharded["61"] = {"class_type": "ShardVAE", "inputs": {"vae": [vae_loader, 0], "parallel_config": [config, 0]}}
+    sharded[decode]["inputs"]["vae"] = ["61", 0]
+    reference = [np.asarray(Image.open(p)).astype(np.int16)
+                 for p in tiny_server.outputs(tiny_server.run(prompt, timeout=300), "images")]
+    images = [np.asarray(Image.open(p)).astype(np.int16)
+              for p in tiny_server.outputs(tiny_server.run(sharded, timeout=300), "images")]
+    assert len(images) == len(reference) > 0
+    pixel_diff = max(int(np.abs(a - b).max()) for a, b in zip(images, reference))
+    print(f"\nlayout auto over cpu,cpu, Shard Transformer and Shard VAE: images differ by at most {pixel_diff} of 255")
+    assert pixel_diff <= 1
+    ranks = status(tiny_server)["ranks"]
+    assert len(ranks) == 2 and ranks[1]["forwards"] > 0
