@@ -153,27 +153,34 @@ class Dispatch:
                         weights, chunks):
         """The guarded section: the workers get the call and the inputs, rank 0 runs its part."""
         started = time.perf_counter()
-        with self._threads(), self.watchdog.guard("forward", settings.COLLECTIVE_TIMEOUT_S):
-            prompt = memory.current_prompt()  # a new prompt resets every rank's memory peaks
-            memory.PEAKS.begin(prompt, self.device)
-            for w in self.workers:
-                w.conn.send(("forward", key, call.method_name, call.spec, call.meta, distributed_attention, compile,
-                             list(call.layout.sizes), weights, chunks, prompt))
-            t_sent = time.perf_counter()
-            protocol.broadcast_tensors(call.tensors, call.meta, self.device)
-            t_broadcast = time.perf_counter()
-            # What rank 0 spends on dispatch besides the input broadcast (a collective).
-            self.last_dispatch = {"prepare_ms": (call.t_prepared - call.t0) * 1e3,
-                                  "weights_check_ms": (started - call.t_prepared) * 1e3,
-                                  "send_ms": (t_sent - started) * 1e3, "broadcast_ms": (t_broadcast - t_sent) * 1e3}
-            # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
-            # shard's method directly is what the wrapper chain would have done.
-            own = _method_of(run_module, call.method_name)
-            with compile_regions.watched(compile, (key, repr(call.layout.sizes)), call.meta):
-                out = run_sharded(run_module, call.plan, mesh, method if run_module is module else own, own,
-                                  call.bound.args, call.bound.kwargs, distributed_attention=distributed_attention,
-                                  compile=compile, weights=weights, ulysses_chunks=chunks)
-            comm.synchronize(self.device)  # a step's time, not the time to queue its kernels
+        try:
+            with self._threads(), self.watchdog.guard("forward", settings.COLLECTIVE_TIMEOUT_S):
+                prompt = memory.current_prompt()  # a new prompt resets every rank's memory peaks
+                memory.PEAKS.begin(prompt, self.device)
+                for w in self.workers:
+                    w.conn.send(("forward", key, call.method_name, call.spec, call.meta, distributed_attention,
+                                 compile, list(call.layout.sizes), weights, chunks, prompt))
+                t_sent = time.perf_counter()
+                protocol.broadcast_tensors(call.tensors, call.meta, self.device)
+                t_broadcast = time.perf_counter()
+                # What rank 0 spends on dispatch besides the input broadcast (a collective).
+                self.last_dispatch = {"prepare_ms": (call.t_prepared - call.t0) * 1e3,
+                                      "weights_check_ms": (started - call.t_prepared) * 1e3,
+                                      "send_ms": (t_sent - started) * 1e3,
+                                      "broadcast_ms": (t_broadcast - t_sent) * 1e3}
+                # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
+                # shard's method directly is what the wrapper chain would have done.
+                own = _method_of(run_module, call.method_name)
+                with compile_regions.watched(compile, (key, repr(call.layout.sizes)), call.meta):
+                    out = run_sharded(run_module, call.plan, mesh, method if run_module is module else own, own,
+                                      call.bound.args, call.bound.kwargs, distributed_attention=distributed_attention,
+                                      compile=compile, weights=weights, ulysses_chunks=chunks)
+                comm.synchronize(self.device)  # a step's time, not the time to queue its kernels
+        except BaseException:
+            # The traceback keeps this frame: it must not keep the subgroups open through the shutdown
+            # (a worker blocked in a collective with us would not fail, release its weights and exit).
+            mesh = None  # noqa: F841
+            raise
         self.last_forward_ms = (time.perf_counter() - started) * 1e3
         memory.PEAKS.sample(self.device)  # USS peak (CPU ranks)
         self.forwards += 1
