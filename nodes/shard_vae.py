@@ -87,5 +87,8 @@ class ShardVAENode(io.ComfyNode):
         sharded.patcher = sharded_patcher(vae.patcher, Sharding(
             paths=("",), keep_off_device=False, model_bytes=comfy.model_management.module_size(vae.first_stage_model),
             release=RUNTIME.release))
-        sharded.first_stage_model = ShardedFirstStage(vae.first_stage_model, parallel_config, plan.family)
+        # The module the patcher holds: under ComfyUI 0.33's dynamic VRAM that is the plain
+        # delegate's own copy, not ``vae.first_stage_model`` (which carries comfy-aimdo's ctypes
+        # state and cannot be sent to the other ranks).
+        sharded.first_stage_model = ShardedFirstStage(sharded.patcher.model, parallel_config, plan.family)
         return io.NodeOutput(sharded)

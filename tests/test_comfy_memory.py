@@ -178,3 +178,66 @@ def test_a_dynamic_vram_patcher_is_sharded_through_comfyuis_non_dynamic_delegate
 
     assert plain_clone(Dynamic()) == "delegate" and calls == [True]
     assert plain_clone(Plain()) == "plain clone"
+
+
+def test_the_dynamic_vram_delegate_loads_as_comfyui_does_without_dynamic_vram(tmp_path, monkeypatch):
+    """ComfyUI 0.33 on NVIDIA switches two globals on (``aimdo_enabled`` and ``CoreModelPatcher =
+    ModelPatcherDynamic``) and its non-dynamic delegate is reloaded with both still on: the
+    layers' lazy loader keeps the file's float32 in a float16 model, the VAE loader assigns
+    float32 biases into a bfloat16 VAE (an H100 run failed on every rank: "mat1 and mat2 must
+    have the same dtype"). Here the two switches are set as ``main.py`` sets them, with a
+    patcher that reports dynamic in place of comfy-aimdo's (which needs a GPU)."""
+    import comfy.memory_management
+    import comfy.model_patcher
+    import comfy.sd
+    import pytest
+    import comfy.utils
+    from safetensors.torch import load_file, save_file
+
+    from parallel_runtime.comfyui_glue.patcher import plain_clone
+    from tiny_models import wan_vae_state_dict
+
+    if not hasattr(comfy.memory_management, "aimdo_enabled"):
+        pytest.skip("this ComfyUI has no dynamic VRAM (before 0.33)")
+
+    class ReportsDynamic(comfy.model_patcher.ModelPatcher):
+        def is_dynamic(self):  # what ModelPatcherDynamic answers: loaders assign the file's tensors
+            return True
+
+    model_file, vae_file = tmp_path / "wan.safetensors", tmp_path / "wan_vae.safetensors"
+    save_file(wan_state_dict(TinyWan(dim=256, ffn_dim=512), seed=3), str(model_file))
+    save_file({k: v.float().contiguous() for k, v in wan_vae_state_dict().items()}, str(vae_file))
+
+    def classic_model():
+        return comfy.sd.load_diffusion_model(str(model_file), model_options={"dtype": torch.float16})
+
+    def classic_vae():  # the patcher of VAELoader's VAE, with the reload VAELoader registers
+        patcher = comfy.sd.load_vae_patcher(str(vae_file))
+        patcher.cached_patcher_init = (comfy.sd.load_vae_patcher, (str(vae_file), None, None))
+        return patcher
+
+    expected_model, expected_vae = classic_model().model.state_dict(), classic_vae().model.state_dict()
+    half = {k for k, v in expected_model.items() if v.dtype == torch.float16}
+    assert len(half) > 20  # the classic load: the transformer's weights in the model's dtype
+
+    monkeypatch.setattr(comfy.memory_management, "aimdo_enabled", True)
+    monkeypatch.setattr(comfy.model_patcher, "CoreModelPatcher", ReportsDynamic)
+    # comfy-aimdo's memory-mapped reader needs its GPU library; the plain reader stands in.
+    monkeypatch.setattr(comfy.utils, "load_safetensors", lambda path: (load_file(path), {}))
+    dynamic_model, dynamic_vae = classic_model(), classic_vae()
+    assert dynamic_model.is_dynamic() and dynamic_vae.is_dynamic()
+    # ComfyUI's own delegate, as built under the switches: the file's float32 survives.
+    naive = dynamic_model.clone(disable_dynamic=True).model.state_dict()
+    assert any(naive[k].dtype == torch.float32 for k in half)
+
+    for dynamic, expected in ((dynamic_model, expected_model), (dynamic_vae, expected_vae)):
+        delegate = plain_clone(dynamic)
+        assert type(delegate) is comfy.model_patcher.ModelPatcher and not delegate.is_dynamic()
+        got = delegate.model.state_dict()
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype, key
+            assert torch.equal(got[key], value), key
+    # The switches are ComfyUI's again afterwards.
+    assert comfy.memory_management.aimdo_enabled is True
+    assert comfy.model_patcher.CoreModelPatcher is ReportsDynamic

@@ -170,9 +170,10 @@ def run_shard_vae(monkeypatch, parallel_config, prompt):
     from vae_cases import VAES
 
     shard_vae = PACK.nodes.shard_vae
-    monkeypatch.setattr(shard_vae, "sharded_patcher", lambda patcher, sharding: ("patcher", patcher))
-    monkeypatch.setattr(shard_vae, "ShardedFirstStage", lambda module, config, family: ("sharded", config))
     module = VAES["kl_sd"]()[0]
+    monkeypatch.setattr(shard_vae, "sharded_patcher",
+                        lambda patcher, sharding: types.SimpleNamespace(of=patcher, model=module))
+    monkeypatch.setattr(shard_vae, "ShardedFirstStage", lambda module, config, family: ("sharded", config))
     vae = types.SimpleNamespace(first_stage_model=module, patcher="vae patcher")
 
     class WithPrompt(PACK.nodes.ShardVAENode):
@@ -188,7 +189,7 @@ def test_shard_vae_takes_the_transformer_world_size_from_the_config_builder(monk
     shared = config(**{k: v for k, v in inputs.items()})
     assert shared.world_size == 2
     sharded = run_shard_vae(monkeypatch, shared, shard_vae_prompt(inputs))
-    assert sharded.first_stage_model == ("sharded", shared) and sharded.patcher == ("patcher", "vae patcher")
+    assert sharded.first_stage_model == ("sharded", shared) and sharded.patcher.of == "vae patcher"
     assert no_world_started()
 
 

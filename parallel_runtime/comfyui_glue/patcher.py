@@ -180,8 +180,35 @@ def plain_clone(patcher):
     sharded model takes ComfyUI's own non-dynamic delegate (``clone(disable_dynamic=True)``)."""
     is_dynamic = getattr(patcher, "is_dynamic", None)
     if callable(is_dynamic) and is_dynamic():
-        return patcher.clone(disable_dynamic=True)
+        with classic_loading():
+            return patcher.clone(disable_dynamic=True)
     return patcher.clone()
+
+
+@contextlib.contextmanager
+def classic_loading():
+    """ComfyUI 0.33's ``main.py`` turns dynamic VRAM on with two process-wide switches:
+    ``comfy.memory_management.aimdo_enabled`` and ``comfy.model_patcher.CoreModelPatcher =
+    ModelPatcherDynamic``. Its non-dynamic delegate (a fresh load from the file) is built with
+    both still on, so the layers take the lazy loader and the loaders assign the file's tensors
+    as they are: a float16 model with float32 weights, a bfloat16 VAE with float32 biases (seen on
+    an H100: "mat1 and mat2 must have the same dtype, but got Half and Float" on every rank).
+    The delegate is built with both switches as ``--disable-dynamic-vram`` leaves them: weights
+    in the model's dtype, no raw-pointer state. Prompts run on ComfyUI's one prompt thread,
+    which is also the one loading here."""
+    import comfy.memory_management
+    import comfy.model_patcher
+
+    switches = ((comfy.memory_management, "aimdo_enabled", False),
+                (comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher))
+    before = [getattr(owner, name, None) for owner, name, _ in switches]
+    for owner, name, classic in switches:
+        setattr(owner, name, classic)
+    try:
+        yield
+    finally:
+        for (owner, name, _), value in zip(switches, before):
+            setattr(owner, name, value)
 
 
 def sharded_patcher(patcher, sharding: Sharding):
