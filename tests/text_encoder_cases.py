@@ -1,18 +1,37 @@
 """Small configs of ComfyUI's text encoders, built the way ComfyUI builds them (comfy.sd.CLIP with
 a ``<name>_model_config`` override), with seeded random weights and hand-made token ids (the
-encoders, not the tokenizers, are what gets sharded)."""
+encoders, not the tokenizers, are what gets sharded). Encoders newer than ComfyUI 0.3.75 (Gemma 3
+4B Vision, LTX-2's Gemma 3 12B) are registered only where ComfyUI has their classes."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
+import importlib.util
 
 import torch
 
 ENCODERS = {}
 
 
-def encoder(name):
+def available(needs: str | None) -> bool:
+    """Whether this ComfyUI has ``needs`` ("package.module.attribute"): encoders newer than 0.3.75
+    are only registered where their classes exist (there is nothing to shard elsewhere)."""
+    if needs is None:
+        return True
+    module, _, attribute = needs.rpartition(".")
+    try:
+        if importlib.util.find_spec(module) is None:
+            return False
+    except ModuleNotFoundError:  # its parent package is missing too
+        return False
+    return hasattr(importlib.import_module(module), attribute)
+
+
+def encoder(name, needs: str | None = None):
     def register(fn):
-        ENCODERS[name] = fn
+        if available(needs):
+            ENCODERS[name] = fn
         return fn
     return register
 
@@ -119,3 +138,57 @@ def mistral3():
     config = {**LLAMA_SMALL, "num_hidden_layers": 31}
     clip = build_clip(comfy.text_encoders.flux.flux2_te(), "mistral3_24b", config, seed=13)
     return clip, tokens("mistral3_24b", 9, 131072, 14)
+
+
+# ComfyUI's GEMMA3_VISION_CONFIG (Gemma 3's SigLIP tower) narrowed to one layer: 2 x 2 patches
+# pooled into 4 image tokens. The tower stays whole; rank 0 runs it (ComfyUI calls preprocess_embed
+# before the sharded forward), and LTX-2's text-only prompts leave it unused.
+GEMMA3_VISION_SMALL = {"num_channels": 3, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 32, "image_size": 28,
+                       "intermediate_size": 64, "model_type": "siglip_vision_model", "num_attention_heads": 2,
+                       "num_hidden_layers": 1, "patch_size": 14}
+
+
+@contextlib.contextmanager
+def small_gemma3_vision(config_class):
+    """``vision_config`` is a class attribute of ComfyUI's Gemma 3 configs, not a field a
+    ``<name>_model_config`` override can set: swapped for the build only."""
+    saved = config_class.vision_config, config_class.mm_tokens_per_image
+    config_class.vision_config, config_class.mm_tokens_per_image = GEMMA3_VISION_SMALL, 4
+    try:
+        yield
+    finally:
+        config_class.vision_config, config_class.mm_tokens_per_image = saved
+
+
+@encoder("gemma3_4b_vision", needs="comfy.text_encoders.llama.Gemma3_4B_Vision")
+def gemma3_vision():
+    import comfy.text_encoders.llama
+    import comfy.text_encoders.lumina2
+
+    with small_gemma3_vision(comfy.text_encoders.llama.Gemma3_4B_Vision_Config):
+        clip = build_clip(comfy.text_encoders.lumina2.te(model_type="gemma3_4b_vision"), "gemma3_4b_vision",
+                          LLAMA_SMALL, seed=15)
+    # One image, as Gemma3_4BTokenizer puts it in place of <image_soft_token>: the whole tower on
+    # rank 0 turns it into 4 embeddings that the sharded decoder then reads.
+    toks = tokens("gemma3_4b_vision", 8, 262208, 16)
+    image = torch.rand(1, 28, 28, 3, generator=torch.Generator().manual_seed(19))
+    toks["gemma3_4b_vision"][0][3] = ({"type": "image", "data": image}, 1.0)
+    return clip, toks
+
+
+@encoder("ltx2_gemma3_12b", needs="comfy.text_encoders.llama.Gemma3_12B")
+def ltx2_gemma3_12b():
+    import comfy.text_encoders.llama
+    import comfy.text_encoders.lt
+
+    # LTX-2's encoder as comfy.sd builds it (ltxav_te): Gemma 3 12B's hidden states of every layer,
+    # normalized and projected by text_embedding_projection (on rank 0, outside the sharded Gemma).
+    # LTXAVTEModel builds its Gemma without a model_name, so the override is read as "_model_config".
+    te = comfy.text_encoders.lt.ltxav_te(video_projection_dim=96)
+    with small_gemma3_vision(comfy.text_encoders.llama.Gemma3_12B_Config):
+        clip = build_clip(te, "", LLAMA_SMALL, seed=17)
+    # Left padding as Gemma3_12BTokenizer pads (pad id 0): the wrapper keeps the last
+    # sum(attention_mask) tokens.
+    toks = tokens("gemma3_12b", 9, 262208, 18)
+    toks["gemma3_12b"][0][:0] = [(0, 1.0)] * 3
+    return clip, toks

@@ -12,9 +12,13 @@ all-reduced), so the conditioning rank 0 returns to ComfyUI is the full one.
   Wan, T5-base): q/k/v column-parallel, o row-parallel; the relative position bias
   table is cut by head like the attention itself; the (gated) FFN column/row.
 - Llama-family decoders (``Llama2_`` inside Mistral 3, Qwen2.5(-VL), Qwen3, Gemma 2/3
-  wrappers): q column-parallel, k/v by KV head (replicated when there are more ranks
-  than KV heads), o row-parallel, gate/up column, down row. Qwen2.5-VL's vision
-  tower stays whole.
+  wrappers, Gemma 3 4B Vision and Gemma 3 12B, LTX-2's encoder, from ComfyUI 0.33): q
+  column-parallel, k/v by KV head (replicated when there are more ranks than KV heads),
+  o row-parallel, gate/up column, down row. The vision towers (Qwen2.5-VL's, Gemma 3's
+  SigLIP and its projector) stay whole. LTX-2's ``LTXAVTEModel`` shards only the Gemma
+  inside it: its text_embedding_projection runs on rank 0 on the gathered hidden states.
+  Gemma 4 (``comfy.text_encoders.gemma4``, LTX-2.3) is not ``Llama2_``-based and is
+  not listed.
 """
 from __future__ import annotations
 
@@ -55,12 +59,14 @@ _LLAMA = "model.layers.*"
 LLAMA = ModelPlan(
     family="llama",
     title="Mistral 3 / Qwen2.5(-VL) / Qwen3 / Gemma 2 / Gemma 3 / Llama",
+    # Gemma3_4B_Vision and Gemma3_12B (LTX-2) exist from ComfyUI 0.33 on.
     classes=tuple(f"comfy.text_encoders.llama.{c}" for c in
-                  ("Llama2", "Mistral3Small24B", "Qwen25_3B", "Qwen25_7BVLI", "Qwen3_4B", "Gemma2_2B", "Gemma3_4B")),
+                  ("Llama2", "Mistral3Small24B", "Qwen25_3B", "Qwen25_7BVLI", "Qwen3_4B", "Gemma2_2B", "Gemma3_4B",
+                   "Gemma3_4B_Vision", "Gemma3_12B")),
     heads_attr="model.layers.0.self_attn.num_heads",
     context_parallel=NO_SEQUENCE_SPLIT,
     kind="encoder",
-    notes="KV heads replicated when ranks outnumber them; Qwen2.5-VL's vision tower stays whole",
+    notes="KV heads replicated when ranks outnumber them; the vision towers (Qwen2.5-VL, Gemma 3) stay whole",
     tensor_parallel=TensorParallelPlan(
         layers={
             f"{_LLAMA}.self_attn.q_proj": Colwise(),
