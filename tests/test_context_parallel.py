@@ -2,12 +2,17 @@
 
 Multi-rank: rank 0 is this process, the other ranks are real worker processes.
 Meshes: Ulysses 2, Ring 2, USP 2x2 (4 ranks), cfg 2 x Ulysses 2 (4 ranks).
+
+LTX-2 (ComfyUI 0.33 on) has two token streams of different lengths and attention between them
+(queries from one split stream, keys and values from the other); its cases are here, also under
+TP and Ulysses x TP, and it is called through ``forward`` (which takes the two timesteps as a
+tuple), not ``_forward``.
 """
 import pytest
 import torch
 
 from conftest import cpu_world, single_process_references
-from families import CASES
+from families import CASES, OPS, available, randn, seeded
 from parallel_runtime.plans import find_plan
 
 pytestmark = pytest.mark.multirank
@@ -72,4 +77,98 @@ def test_attention_really_crosses_ranks(world, built, case):
     rel = (out - ref).abs().max().item() / ref.abs().max().item()
     if world.config.ring_size == 1 and world.config.ulysses_size == 1:
         pytest.skip("no sequence parallelism in this mesh")
+    assert rel > 1e-3
+
+
+LTXAV_MESHES = {**MESHES, "tp2": dict(tp_size=2), "ulysses2_tp2": dict(ulysses_size=2, tp_size=2)}
+LTXAV_CASES = {}
+
+
+def ltxav_case(name):
+    def register(fn):
+        if available("comfy.ldm.lightricks.av_model"):
+            LTXAV_CASES[name] = fn
+        return fn
+    return register
+
+
+def ltxav_model(seed=160):
+    """Video four heads of 64 (width 256), audio four heads of 32 (width 128), two blocks."""
+    from comfy.ldm.lightricks.av_model import LTXAVModel
+
+    return seeded(LTXAVModel(in_channels=128, audio_in_channels=128, cross_attention_dim=256,
+                             audio_cross_attention_dim=128, attention_head_dim=64, audio_attention_head_dim=32,
+                             num_attention_heads=4, audio_num_attention_heads=4, caption_channels=64, num_layers=2,
+                             connector_attention_head_dim=32, connector_num_attention_heads=2, dtype=torch.float32,
+                             device="cpu", operations=OPS), seed=seed)
+
+
+def ltxav_inputs(model, audio_frames: int, seed: int, **kwargs):
+    """105 video tokens (3 x 5 x 7) and ``audio_frames`` audio tokens, batch 2 (cond + uncond). One
+    timestep for both rows, as ComfyUI's samplers give: the audio-video gates take the largest
+    timestep of the whole batch, so rows with different ones would not be independent."""
+    x = [randn(2, 128, 3, 5, 7, seed=seed), randn(2, 8, audio_frames, 16, seed=seed + 1)]
+    t = torch.tensor([0.6, 0.6])
+    context = model.preprocess_text_embeds(randn(2, 12, 64, seed=seed + 2))
+    return model, (x, (t, t), context, None), {"frame_rate": 25, **kwargs}
+
+
+@ltxav_case("ltxav_t2v_audio")
+def ltxav_t2v_audio():
+    """13 audio tokens: odd, and fewer per rank than video tokens."""
+    return ltxav_inputs(ltxav_model(), 13, seed=161)
+
+
+@ltxav_case("ltxav_denoise_mask")
+def ltxav_denoise_mask():
+    """Image-to-video gives a denoise mask (per-token video timesteps): refused by name."""
+    model, args, kwargs = ltxav_inputs(ltxav_model(), 9, seed=165)
+    return model, args, {**kwargs, "denoise_mask": torch.ones(2, 1, 3, 5, 7)}
+
+
+@pytest.fixture(scope="module", params=list(LTXAV_MESHES) if LTXAV_CASES else [])
+def ltxav_world(request, runtime):
+    return cpu_world(runtime, LTXAV_MESHES[request.param])
+
+
+@pytest.fixture(scope="module")
+def ltxav_built():
+    return single_process_references(LTXAV_CASES)
+
+
+def run_ltxav(world, model, args, kwargs, **kw):
+    with torch.inference_mode():
+        return world.forward(model, find_plan(model), model.forward, args,
+                             {**kwargs, "transformer_options": {}}, **kw)
+
+
+def max_errors(out, ref) -> tuple[float, float]:
+    """Largest absolute error over the video and the audio output, and its size relative to them."""
+    err = max((o - r).abs().max().item() for o, r in zip(out, ref))
+    return err, err / max(r.abs().max().item() for r in ref)
+
+
+@pytest.mark.parametrize("case", list(LTXAV_CASES))
+def test_ltxav_matches_single_process(ltxav_world, ltxav_built, case):
+    model, args, kwargs, ref = ltxav_built(case)
+    refused = refused_input(model, kwargs)
+    if refused:
+        with pytest.raises(RuntimeError, match=f"'{refused}' is not supported with context parallelism"):
+            run_ltxav(ltxav_world, model, args, kwargs)
+        return
+    out = run_ltxav(ltxav_world, model, args, kwargs)
+    err, rel = max_errors(out, ref)
+    print(f"\n{case} on {ltxav_world.config.describe()}: max abs err {err:.2e}, rel {rel:.2e}")
+    assert [o.shape for o in out] == [r.shape for r in ref]
+    assert err <= TOL
+
+
+def test_ltxav_attention_really_crosses_ranks(world, ltxav_built):
+    """With communication in attention switched off the result must be wrong."""
+    if "ltxav_t2v_audio" not in LTXAV_CASES:
+        pytest.skip("this ComfyUI has no LTX-2")
+    if world.config.ring_size == 1 and world.config.ulysses_size == 1:
+        pytest.skip("no sequence parallelism in this mesh")
+    model, args, kwargs, ref = ltxav_built("ltxav_t2v_audio")
+    _, rel = max_errors(run_ltxav(world, model, args, kwargs, distributed_attention=False), ref)
     assert rel > 1e-3

@@ -14,6 +14,10 @@ tokens sit in every rank's chunk, so padding never reaches a softmax.
 - Ring (size R): each rank keeps its queries and passes its key/value block around
   the ring; partial results are merged exactly with their log-sum-exp.
 - USP: Ulysses inside each ring group, Ring across them.
+- Cross-stream attention (queries from one split stream, keys and values from another: LTX-2's
+  audio-to-video and video-to-audio attention): the queries and the key/value pairs each have
+  their own ``JointLayout``; Ulysses exchanges them separately, Ring passes the key/value blocks
+  with the key layout's real tokens, so it is exact for streams of any two lengths.
 
 Key order differs from the single-device run (chunks of several streams are
 interleaved), which attention does not see: softmax over keys is order-free.
@@ -233,9 +237,10 @@ class SequenceParallel:
         return self.ring_rank * self.ulysses_size + self.ulysses_rank
 
 
-def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, layout: JointLayout):
-    """Attention of the joint chunks of all sequence-parallel ranks; returns this rank's chunk."""
-    q, k, v = args[:3]
+def _checked_call(args, kwargs, sp: SequenceParallel, layouts: dict) -> tuple[int, bool]:
+    """(heads, whether q/k/v come as [B, H, S, D]) of an attention call a context-parallel site may
+    take: no mask, heads that Ulysses divides, and q/k/v of this rank's chunk lengths (``layouts``:
+    argument index -> its layout)."""
     heads = _heads_of(args, kwargs)
     mask = kwargs.get("mask", args[4] if len(args) > 4 else None)
     if mask is not None:
@@ -243,12 +248,24 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
                            "attention (for example a padded prompt batch or a style model's attention mask); "
                            "masks there are not supported yet")
     head_layout = bool(kwargs.get("skip_reshape", False))
+    if heads % sp.ulysses_size:
+        raise RuntimeError(f"Ulysses: {heads} attention heads do not divide by the Ulysses size {sp.ulysses_size}")
+    for i, layout in layouts.items():
+        if args[i].shape[-2 if head_layout else 1] != layout.local_length:
+            raise RuntimeError(f"context parallel: attention got {args[i].shape} but this rank's joint chunk has "
+                               f"{layout.local_length} tokens; the model plan does not describe this attention site")
+    return heads, head_layout
+
+
+def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, layout: JointLayout,
+                               kv_layout: JointLayout | None = None):
+    """Attention of the joint chunks of all sequence-parallel ranks; returns this rank's chunk.
+    ``kv_layout``: the keys and values come from other streams than the queries (cross-stream)."""
+    if kv_layout is not None and kv_layout is not layout:
+        return cross_stream_attention(attend, args, kwargs, sp=sp, q_layout=layout, kv_layout=kv_layout)
+    q, k, v = args[:3]
+    heads, head_layout = _checked_call(args, kwargs, sp, {0: layout})
     U, R = sp.ulysses_size, sp.ring_size
-    if heads % U:
-        raise RuntimeError(f"Ulysses: {heads} attention heads do not divide by the Ulysses size {U}")
-    if q.shape[-2 if head_layout else 1] != layout.local_length:
-        raise RuntimeError(f"context parallel: attention got {q.shape} but this rank's joint chunk has "
-                           f"{layout.local_length} tokens; the model plan does not describe this attention site")
     qkv = torch.stack([layout.pad_local(to_bhsd(t, heads, head_layout), 2) for t in (q, k, v)])  # [3, B, H, S, D]
     # Real tokens of the U chunks this rank holds after the exchange (its ring block).
     block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
@@ -292,3 +309,43 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
     if U > 1:
         out = gather_heads(out.contiguous(), U, sp.ulysses_group)
     return from_bhsd(layout.strip_local(out, 2), bool(kwargs.get("skip_output_reshape", False)))
+
+
+def _real_rows(t: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    return t if real is None else t.index_select(2, real.to(t.device))
+
+
+def cross_stream_attention(attend, args, kwargs, *, sp: SequenceParallel, q_layout: JointLayout,
+                           kv_layout: JointLayout):
+    """Queries of one set of split streams over the keys and values of another (LTX-2's
+    audio-to-video attention), exact for any two lengths: Ulysses exchanges the queries and the
+    key/value pairs separately (the same heads go to the same rank), Ring keeps the queries and
+    passes the key/value blocks, each side's padding removed by its own layout. Returns this rank's
+    query chunk."""
+    q, k, v = args[:3]
+    heads, head_layout = _checked_call(args, kwargs, sp, {0: q_layout, 1: kv_layout})
+    U, R = sp.ulysses_size, sp.ring_size
+    q = q_layout.pad_local(to_bhsd(q, heads, head_layout), 2)
+    kv = torch.stack([kv_layout.pad_local(to_bhsd(t, heads, head_layout), 2) for t in (k, v)])  # [2, B, H, S, D]
+    if U > 1:
+        q = scatter_heads(q.unsqueeze(0), U, sp.ulysses_group)[0]
+        kv = scatter_heads(kv, U, sp.ulysses_group)
+    block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
+    k2, v2 = kv.unbind(0)
+    mine = q_layout.gathered(block_ranks(sp.ring_rank))  # this rank's real queries after the exchange
+    q2 = _real_rows(q, mine)
+    if R == 1:
+        real_kv = kv_layout.gathered(block_ranks(0))
+        call_args, call_kwargs = _call_args(args, kwargs, q2, _real_rows(k2, real_kv), _real_rows(v2, real_kv),
+                                            q2.shape[1])
+        out = attend(*call_args, **call_kwargs)  # [B, heads, S_real, D]
+    else:
+        out = ring_attention(q2, k2, v2, group=sp.ring_group, ring_size=R, ring_rank=sp.ring_rank,
+                             key_index=lambda j: kv_layout.gathered(block_ranks(j)))
+    if mine is not None:
+        full = out.new_zeros(out.shape[0], out.shape[1], q.shape[2], out.shape[3])
+        full.index_copy_(2, mine.to(out.device), out)
+        out = full
+    if U > 1:
+        out = gather_heads(out.contiguous(), U, sp.ulysses_group)
+    return from_bhsd(q_layout.strip_local(out, 2), bool(kwargs.get("skip_output_reshape", False)))

@@ -33,6 +33,15 @@ class BatchSplit:
         return slice(self.index * n, (self.index + 1) * n)
 
 
+def batch_of(first) -> int:
+    """The batch of a forward's first argument: a tensor, or the streams of a model that takes
+    several latents in a list (LTX-2's ``[video, audio]``), which share it; 1 when there is none."""
+    if isinstance(first, (list, tuple)) and first and all(isinstance(t, torch.Tensor) and t.ndim for t in first):
+        batches = {t.shape[0] for t in first}
+        return batches.pop() if len(batches) == 1 else 1
+    return first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
+
+
 def plan_split(batch: int, cfg_size: int, cfg_rank: int) -> BatchSplit:
     if cfg_size > 1 and batch % cfg_size == 0:
         return BatchSplit(batch, cfg_size, cfg_rank)
@@ -78,8 +87,11 @@ def _split_options(options: dict, split: BatchSplit) -> dict:
 
 
 def gather_output(out, split: BatchSplit, group):
+    """The whole batch of the output: a tensor, or a list of them (one per stream)."""
     if split.parts == 1:
         return out
+    if isinstance(out, list) and out and all(isinstance(t, torch.Tensor) for t in out):
+        return [gather_output(t, split, group) for t in out]
     if not isinstance(out, torch.Tensor):
         raise RuntimeError(f"cfg parallel: the model returned a {type(out).__name__}, not a tensor")
     full = out.new_empty((split.size, *out.shape[1:]))

@@ -3,7 +3,9 @@
 Around a forward of the model ComfyUI owns, hooks on the modules the plan names cut the inputs
 into this rank's share of each token stream, make the attention sites context-parallel (through
 ComfyUI's ``optimized_attention_override``) and gather the outputs back; a guard on every hooked
-module refuses an argument the plan does not know. The hooks live for the duration of one forward
+module refuses an argument the plan does not know. An attention site's streams are either one joint
+sequence attending to itself or, as a pair of stream tuples, queries from some split streams over
+keys and values from others (``site_layouts``). The hooks live for the duration of one forward
 and are removed afterwards, so the module ComfyUI owns is left untouched. The plans themselves are
 declarations (``plans/``).
 """
@@ -144,10 +146,21 @@ class ForwardContext:
             self._layouts[streams] = layout
         return layout
 
+    def site_layouts(self, site) -> tuple[JointLayout, JointLayout]:
+        """(query layout, key/value layout) of an attention site: joint streams (``("txt", "img")``)
+        attend to themselves; a pair of stream tuples (``(("v",), ("a",))``) is cross-stream
+        attention, queries from the first streams, keys and values from the second."""
+        if site and isinstance(site[0], tuple):
+            queries, keys = site
+            return self.layout(queries), self.layout(keys)
+        layout = self.layout(site)
+        return layout, layout
+
     def attend(self, previous, func, args, kwargs):
         attend = func if previous is None else functools.partial(previous, func)
         if self.cp_sites and self.parts > 1 and self.distributed_attention:
-            return context_parallel_attention(attend, args, kwargs, sp=self.sp, layout=self.layout(self.cp_sites[-1]))
+            q_layout, kv_layout = self.site_layouts(self.cp_sites[-1])
+            return context_parallel_attention(attend, args, kwargs, sp=self.sp, layout=q_layout, kv_layout=kv_layout)
         return attend(*args, **kwargs)
 
 

@@ -50,9 +50,7 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
         with tensor_parallel(module, plan.tensor_parallel, mesh.group("world"), mesh.size("world")):
             return call(*args, **kwargs)
     bound = inspect.signature(signature_of).bind(*args, **kwargs)
-    first = next(iter(bound.arguments.values()))
-    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
-    split = cfg.plan_split(batch, mesh.size("cfg"), mesh.local_rank("cfg"))
+    split = cfg.plan_split(cfg.batch_of(next(iter(bound.arguments.values()))), mesh.size("cfg"), mesh.local_rank("cfg"))
     cfg.split_bound(bound, split)
     with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")), \
             context_parallel(module, plan, bound, sp=sequence_parallel(mesh, ulysses_chunks), sp_group=mesh.group("sp"),

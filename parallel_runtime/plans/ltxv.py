@@ -23,13 +23,13 @@ from .base import ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Norm, Rowwise, SliceInput, TensorParallelPlan
 
 
-def _attention_tp(attn: str) -> dict:
+def attention_tp(attn: str) -> dict:
     return {f"{attn}.to_q": Colwise(), f"{attn}.to_k": Colwise(), f"{attn}.to_v": Colwise(),
             f"{attn}.to_out.0": Rowwise(), f"{attn}.q_norm": Norm(), f"{attn}.k_norm": Norm(),
             f"{attn}.to_gate_logits": Colwise()}
 
 
-def _adaln_tp(adaln: str) -> dict:
+def adaln_tp(adaln: str) -> dict:
     return {f"{adaln}.emb.timestep_embedder.linear_1": Colwise(),
             f"{adaln}.emb.timestep_embedder.linear_2": Rowwise(),
             f"{adaln}.linear": Colwise(gather=True)}
@@ -37,14 +37,14 @@ def _adaln_tp(adaln: str) -> dict:
 
 ATTENTION = ("transformer_blocks.*.attn1", "transformer_blocks.*.attn2")
 TENSOR_PARALLEL = TensorParallelPlan(
-    layers={k: v for attn in ATTENTION for k, v in _attention_tp(attn).items()}
+    layers={k: v for attn in ATTENTION for k, v in attention_tp(attn).items()}
     | {"transformer_blocks.*.ff.net.0.proj": Colwise(), "transformer_blocks.*.ff.net.2": Rowwise()}
-    | _adaln_tp("adaln_single") | _adaln_tp("prompt_adaln_single"),
+    | adaln_tp("adaln_single") | adaln_tp("prompt_adaln_single"),
     divide={attn: ("heads",) for attn in ATTENTION},
     divisible={"heads": "transformer_blocks.0.attn1.heads",
                "feed-forward width": "transformer_blocks.0.ff.net.2.in_features"},
     # Per-head gates and the prompt's own modulation exist only in LTX-2 models (0.33).
-    optional=frozenset({f"{attn}.to_gate_logits" for attn in ATTENTION} | set(_adaln_tp("prompt_adaln_single"))),
+    optional=frozenset({f"{attn}.to_gate_logits" for attn in ATTENTION} | set(adaln_tp("prompt_adaln_single"))),
     inputs={"transformer_blocks.*.attn1": (SliceInput("pe", dim=3), SliceInput("pe", dim=2, item=0))},
 )
 

@@ -1,0 +1,106 @@
+"""LTX-2 (``comfy.ldm.lightricks.av_model.LTXAVModel``, ComfyUI 0.33 on): LTXV's blocks with a second,
+audio token stream beside the video one, and attention between the two.
+
+- Two streams of different lengths: ``v`` (video) and ``a`` (audio). A block takes and returns
+  them as the tuple ``(vx, ax)``; both are cut where they enter ``transformer_blocks.0``. Each
+  stream's RoPE (``(matrix [B, N, H, ...], split)`` tuples), the RoPE of the audio-video
+  attention (``v_cross_pe`` / ``a_cross_pe``) and the audio's per-token modulation follow at
+  every block.
+- ``attn1`` (video) and ``audio_attn1`` (audio) are self-attention, context-parallel over their
+  own stream; ``attn2`` / ``audio_attn2`` attend to the text and stay local. The audio-to-video
+  attention takes its queries from the video and its keys and values from the audio, the
+  video-to-audio one the other way round: cross-stream sites (queries' streams, keys' streams),
+  exact under Ulysses and Ring for any two lengths.
+- The video is gathered at the last block (its output modulation is not a module), the audio
+  where it enters ``audio_norm_out``.
+- Refused by name before any rank works: what gives the video one timestep per token (a denoise
+  mask: image-to-video, keyframes; the model keeps those per frame in a ``CompressedTimestep``
+  that a token split cannot follow yet), keyframe and guide tokens (absolute token ranges and a
+  guide attention mask), and the ID-LoRA reference audio (tokens prepended to the audio and cut
+  off again by their absolute count).
+
+Tensor parallelism cuts the heads of all six attentions of a block (q/k/v columns, ``to_out``
+rows, full-width q/k RMSNorms with an all-reduced mean square, optional per-head gates; every
+RoPE table its rank's heads) and both feed-forwards, and the timestep embedders and modulation
+projections of both streams and of the audio-video attention as in LTXV.
+"""
+from __future__ import annotations
+
+from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .ltxv import adaln_tp, attention_tp
+from .tensor_parallel import Colwise, Rowwise, SliceInput, TensorParallelPlan
+
+VIDEO, AUDIO = "v", "a"
+SELF_ATTENTION = ("transformer_blocks.*.attn1", "transformer_blocks.*.audio_attn1")
+TEXT_ATTENTION = ("transformer_blocks.*.attn2", "transformer_blocks.*.audio_attn2")
+AV_ATTENTION = ("transformer_blocks.*.audio_to_video_attn", "transformer_blocks.*.video_to_audio_attn")
+ATTENTION = SELF_ATTENTION + TEXT_ATTENTION + AV_ATTENTION
+ADALN = ("adaln_single", "prompt_adaln_single", "audio_adaln_single", "audio_prompt_adaln_single",
+         "av_ca_video_scale_shift_adaln_single", "av_ca_a2v_gate_adaln_single",
+         "av_ca_audio_scale_shift_adaln_single", "av_ca_v2a_gate_adaln_single")
+# The prompt modulations exist only in models with cross-attention AdaLN (LTX-2.3).
+OPTIONAL_ADALN = ("prompt_adaln_single", "audio_prompt_adaln_single")
+FEED_FORWARD = {f"transformer_blocks.*.{ff}.net.0.proj": Colwise() for ff in ("ff", "audio_ff")} \
+    | {f"transformer_blocks.*.{ff}.net.2": Rowwise() for ff in ("ff", "audio_ff")}
+ROPE_HEADS = (SliceInput("pe", dim=2, item=0), SliceInput("k_pe", dim=2, item=0))
+
+TENSOR_PARALLEL = TensorParallelPlan(
+    layers={k: v for attn in ATTENTION for k, v in attention_tp(attn).items()} | FEED_FORWARD
+    | {k: v for adaln in ADALN for k, v in adaln_tp(adaln).items()},
+    divide={attn: ("heads",) for attn in ATTENTION},
+    divisible={"video heads": "transformer_blocks.0.attn1.heads",
+               "audio heads": "transformer_blocks.0.audio_attn1.heads",
+               "video feed-forward width": "transformer_blocks.0.ff.net.2.in_features",
+               "audio feed-forward width": "transformer_blocks.0.audio_ff.net.2.in_features"},
+    optional=frozenset({f"{attn}.to_gate_logits" for attn in ATTENTION}
+                       | {k for adaln in OPTIONAL_ADALN for k in adaln_tp(adaln)}),
+    inputs={attn: ROPE_HEADS for attn in SELF_ATTENTION + AV_ATTENTION},
+)
+
+# Per-token side inputs of a block: RoPE tuples of each stream, the audio's modulation tensors
+# ([B, 1, ...] broadcast, [B, N, ...] per token). The video's modulation arrives as
+# CompressedTimestep objects, one row for all tokens while no denoise mask is given.
+BLOCK_INPUTS = (
+    Split("v_pe", dim=1, item=0, stream=VIDEO), Split("v_cross_pe", dim=1, item=0, stream=VIDEO),
+    Split("a_pe", dim=1, item=0, stream=AUDIO), Split("a_cross_pe", dim=1, item=0, stream=AUDIO),
+    Split("a_timestep", dim=1, stream=AUDIO), Split("a_cross_scale_shift_timestep", dim=1, stream=AUDIO),
+    Split("a_cross_gate_timestep", dim=1, stream=AUDIO),
+)
+
+PER_TOKEN_VIDEO = ("gives the video one timestep per token (image-to-video, keyframes, inpainting), which the "
+                   "model keeps per frame in a CompressedTimestep that the token split cannot cut yet")
+UNSUPPORTED = {
+    "denoise_mask": PER_TOKEN_VIDEO,
+    "audio_denoise_mask": "comes with the video's denoise mask (per-token timesteps for both streams)",
+    "keyframe_idxs": "keyframe guide tokens are placed and dropped by absolute token ranges",
+    "guide_attention_entries": "the guide attention mask addresses absolute token ranges of the video",
+    "generated_keyframes": "keyframe slots address absolute token ranges of the video",
+    "ref_audio": "reference audio tokens are prepended to the audio and cut off by their absolute count",
+}
+
+PLAN = ModelPlan(
+    family="ltxav",
+    title="LTX-2",
+    classes=("comfy.ldm.lightricks.av_model.LTXAVModel",),
+    heads_attr="transformer_blocks.0.attn1.heads",
+    context_parallel=ContextParallelPlan(
+        inputs={
+            "transformer_blocks.0": (Split("x", dim=1, item=0, stream=VIDEO, starts_stream=True),
+                                     Split("x", dim=1, item=1, stream=AUDIO, starts_stream=True)),
+            "transformer_blocks.*": BLOCK_INPUTS,
+        },
+        outputs={"transformer_blocks.-1": Gather(dim=1, stream=VIDEO, item=0),
+                 "audio_norm_out": Gather(dim=1, stream=AUDIO)},
+        attention={"transformer_blocks.*.attn1": (VIDEO,), "transformer_blocks.*.audio_attn1": (AUDIO,),
+                   "transformer_blocks.*.audio_to_video_attn": ((VIDEO,), (AUDIO,)),
+                   "transformer_blocks.*.video_to_audio_attn": ((AUDIO,), (VIDEO,))},
+        unsupported=UNSUPPORTED,
+        # Not self_attention_mask (the guide attention mask): refused when it carries a value.
+        passed=frozenset({"x", "v_context", "a_context", "attention_mask", "v_timestep",
+                          "v_cross_scale_shift_timestep", "v_cross_gate_timestep", "v_prompt_timestep",
+                          "a_prompt_timestep", "context", "pe", "k_pe", "mask", "input"}),
+    ),
+    notes="T2V with audio; not image-to-video, keyframes, guides or reference audio (refused by name).",
+    tensor_parallel=TENSOR_PARALLEL,
+    tested_on=("0.33.0",),
+)
