@@ -3,6 +3,10 @@ seeded random weights, and inputs whose height does not divide by the world size
 
 Each case returns ``(module, decode_input, encode_input)``. Heights are 13 latent rows
 (13 x 8 or 13 x 16 pixel rows), so that neither 2 nor 4 ranks split them evenly.
+
+Families: KL (SD, SD3 / Flux.1, Flux.2), Wan 2.1, Wan 2.2, the HunyuanVideo VAE, the HunyuanImage
+2.1 32x VAE and the LTX-2 video VAE (their classes exist in 0.3.75 as in 0.33: the HunyuanVideo
+VAE's convs are ``VideoConv3d`` in 0.3.75, ``CarriedConv3d`` with time carries in 0.33).
 """
 from __future__ import annotations
 
@@ -107,4 +111,65 @@ def wan22():
     vae = randomize(WanVAE(dim=8, dec_dim=8, z_dim=8, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
                            temperal_downsample=[False, True, True]), 5)
     z, x = _inputs(15, (1, 8, 2, LATENT_ROWS, 3), (1, 3, 5, LATENT_ROWS * 16, 32))
+    return vae, z, x
+
+
+
+@vae_case("hunyuan_video")
+def hunyuan_video():
+    """HunyuanVideo VAE as comfy/sd.py builds it: AutoencoderKL with ``conv3d`` (replicate-padded
+    3x3x3 convs), 4x time compression; 2 latent frames decode to 5, 5 frames encode to 2."""
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    vae = randomize(AutoencoderKL(ddconfig=kl_ddconfig(z_channels=16, conv3d=True, time_compress=4), embed_dim=16), 6)
+    z, x = _inputs(16, (1, 16, 2, LATENT_ROWS, 5), (1, 3, 5, LATENT_ROWS * 8, 40))
+    return vae, z, x
+
+
+@vae_case("hunyuan_image21")
+def hunyuan_image21():
+    """HunyuanImage 2.1 VAE as comfy/sd.py builds it (AutoencodingEngine around
+    hunyuan_video.vae's Encoder / Decoder), with 16x instead of 32x (four 2x levels)."""
+    from comfy.ldm.models.autoencoder import AutoencodingEngine
+
+    config = {"block_out_channels": [32, 32, 64, 64], "in_channels": 3, "out_channels": 3, "num_res_blocks": 1,
+              "ffactor_spatial": 16, "downsample_match_channel": True, "upsample_match_channel": True,
+              "z_channels": 16}
+    vae = randomize(AutoencodingEngine(
+        regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+        encoder_config={"target": "comfy.ldm.hunyuan_video.vae.Encoder", "params": config},
+        decoder_config={"target": "comfy.ldm.hunyuan_video.vae.Decoder", "params": config}), 7)
+    z, x = _inputs(17, (1, 16, LATENT_ROWS, 3), (1, 3, LATENT_ROWS * 16, 48))
+    return vae, z, x
+
+
+LTX2_CONFIG = {
+    # LTX-2's layout (space-to-depth encoder levels, depth-to-space decoder levels, pixel norm,
+    # 2x2 patches), narrow and shallow: 8x in space, 4x in time. No ``spatial_padding_mode``:
+    # ComfyUI then pads the encoder's convs with zeros and the decoder's by reflection.
+    "dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128, "patch_size": 2,
+    "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space_res", {"multiplier": 2}],
+                       ["res_x", {"num_layers": 1}], ["compress_time_res", {"multiplier": 2}],
+                       ["compress_all_res", {"multiplier": 2}], ["res_x", {"num_layers": 1}]],
+    "decoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space", {"multiplier": 2}],
+                       ["res_x", {"num_layers": 1}], ["compress_time", {"multiplier": 2}],
+                       ["compress_all", {"residual": True, "multiplier": 2}], ["res_x", {"num_layers": 1}]],
+    "norm_layer": "pixel_norm", "latent_log_var": "uniform", "causal_decoder": False,
+    "timestep_conditioning": False, "encoder_base_channels": 8, "decoder_base_channels": 8,
+}
+
+
+@vae_case("ltx2")
+def ltx2():
+    """LTX-2 video VAE (``VideoVAE`` with an LTX-2-style config): 2 latent frames decode to 5,
+    9 frames encode to 3 (``encode`` keeps 1 + 8k frames)."""
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+
+    vae = randomize(VideoVAE(config=LTX2_CONFIG), 8)
+    stats = vae.per_channel_statistics  # buffers named with dashes: randomize leaves them empty
+    gen = torch.Generator().manual_seed(28)
+    with torch.no_grad():
+        stats.get_buffer("std-of-means").copy_(0.5 + torch.rand(128, generator=gen))
+        stats.get_buffer("mean-of-means").copy_(torch.randn(128, generator=gen) * 0.1)
+    z, x = _inputs(18, (1, 128, 2, LATENT_ROWS, 4), (1, 3, 9, LATENT_ROWS * 8, 32))
     return vae, z, x

@@ -6,10 +6,12 @@ on its band. For the duration of that call the layers that look beyond a row
 are made exact on a band (the per-family plan in ``plans/vae.py`` names them):
 
 - convolutions exchange a halo with the neighbour ranks (the rows of the
-  bands above and below that their kernel reads) and pad with zeros only at the
-  top and bottom of the whole image. Rows the model's code padded before the
-  conv (``F.pad`` in ``Downsample`` and ``CausalConv3d``, ``ZeroPad2d``) are
-  removed first and count as the conv's global padding.
+  bands above and below that their kernel reads) and pad only at the top and
+  bottom of the whole image, in the conv's own padding mode (zeros, replicate or
+  reflect). Rows the model's code padded before the conv (``F.pad`` in
+  ``Downsample``, ``CausalConv3d`` and HunyuanVideo's ``CarriedConv3d`` /
+  ``VideoConv3d``, ``ZeroPad2d``) are removed first and count as the conv's
+  global padding, in the mode the plan declares for them.
 - GroupNorm combines its per-group count, mean and sum of squared deviations
   over all ranks (Chan's parallel variance, in float64), then normalises locally.
 - attention blocks (mid block, lowest resolution) gather the keys and values of
@@ -30,13 +32,18 @@ rounding, unlike tiled decoding.
 
 The overrides are instance attributes (a conv's ``_conv_forward`` and
 ``padding``, a norm's ``forward``, an attention block's attention function) set
-for one call and restored afterwards, so ComfyUI's module is left untouched.
+for one call and restored afterwards, so ComfyUI's module is left untouched; the
+one exception is a module global a plan names in ``call_globals`` (LTX's time
+chunk size, which would otherwise differ between bands of different heights).
+A decode keyword the plan names in ``output_argument`` (LTX's ``output_buffer``)
+is not passed to the bands: rank 0 copies the gathered output into it.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +121,9 @@ class ConvRows:
     plus ``stripped``, the rows the code before it pads every input with). A band
     starting at a multiple of the stride needs ``above`` rows of the band above and
     ``below`` rows of the band below; the first and last bands take the image's
-    padding instead, so every band computes exactly its own output rows.
+    padding instead, so every band computes exactly its own output rows. ``mode``:
+    how the image is padded ("zeros", "replicate" or "reflect"); ``own_mode``: the
+    conv pads that way itself (``padding_mode``), so its own row padding is switched off.
     """
 
     kernel: int
@@ -122,6 +131,8 @@ class ConvRows:
     top: int
     bottom: int
     stripped: tuple[int, int] = (0, 0)
+    mode: str = "zeros"
+    own_mode: bool = False
 
     @property
     def above(self) -> int:
@@ -140,23 +151,32 @@ class ConvRows:
         return self.above == 0 and self.below == 0 and self.bottom == 0 and self.stripped == (0, 0)
 
 
-def conv_rows(conv: torch.nn.Module, stripped: tuple[int, int]) -> ConvRows:
+PAD_MODES = ("zeros", "replicate", "reflect")
+
+
+def conv_rows(conv: torch.nn.Module, stripped: tuple[int, int], stripped_mode: str = "zeros") -> ConvRows:
     if isinstance(conv.padding, str):
         if conv.padding != "valid":
             raise ValueError(f"parallel VAE: {type(conv).__name__} with padding='{conv.padding}' is not supported")
         pad = 0
     else:
         pad = int(conv.padding[ROWS])
-    if conv.padding_mode != "zeros" and (pad or any(conv.padding)):
-        raise ValueError(f"parallel VAE: {type(conv).__name__} pads with '{conv.padding_mode}'; only zero padding "
-                         "is supported")
+    own = conv.padding_mode != "zeros" and pad > 0
+    if own and stripped != (0, 0):
+        raise ValueError(f"parallel VAE: {type(conv).__name__} pads with '{conv.padding_mode}' after its input was "
+                         "padded already; not supported")
+    mode = conv.padding_mode if own else stripped_mode
+    if mode not in PAD_MODES:
+        raise ValueError(f"parallel VAE: {type(conv).__name__} pads with '{mode}'; only {', '.join(PAD_MODES)} "
+                         "padding is supported")
     kernel = int(conv.dilation[ROWS]) * (int(conv.kernel_size[ROWS]) - 1) + 1
     return ConvRows(kernel=kernel, stride=int(conv.stride[ROWS]), top=stripped[0] + pad, bottom=stripped[1] + pad,
-                    stripped=stripped)
+                    stripped=stripped, mode=mode, own_mode=own)
 
 
-def _stripped_rows(root: torch.nn.Module, bands: BandPlan) -> dict[int, tuple[int, int]]:
-    """id(conv) -> zero rows the code around it pads its input with (from the plan's ``padded``)."""
+def _stripped_rows(root: torch.nn.Module, bands: BandPlan) -> dict[int, tuple[tuple[int, int], str]]:
+    """id(conv) -> (rows, mode): the rows the code around it pads its input with, and how
+    (from the plan's ``padded``; a spec that adds no rows to a conv leaves it to the others)."""
     out = {}
     for _, owner in root.named_modules():
         for spec in bands.padded:
@@ -166,14 +186,16 @@ def _stripped_rows(root: torch.nn.Module, bands: BandPlan) -> dict[int, tuple[in
                 conv = owner.get_submodule(spec.conv) if spec.conv else owner
             except AttributeError:
                 continue  # this variant has no such conv (a Resample in mode "none")
-            out[id(conv)] = tuple(int(r) for r in spec.rows(owner))
+            rows = tuple(int(r) for r in spec.rows(owner))
+            if rows != (0, 0):
+                out[id(conv)] = rows, spec.mode(owner)
     return out
 
 
 def band_convs(root: torch.nn.Module, bands: BandPlan) -> list[tuple[torch.nn.Module, ConvRows]]:
     """Every conv of the model with its geometry along the rows."""
     stripped = _stripped_rows(root, bands)
-    return [(m, conv_rows(m, stripped.get(id(m), (0, 0)))) for _, m in root.named_modules()
+    return [(m, conv_rows(m, *stripped.get(id(m), ((0, 0), "zeros")))) for _, m in root.named_modules()
             if matches_any(m, bands.convs, inherited=True)]
 
 
@@ -224,13 +246,11 @@ class _BandRun:
         if ops:
             comm.p2p(ops, self.group).wait()  # staged through host buffers where gloo meets CUDA
             self.exchanges += 1
-        # Image edges (and, with the halo exchange off, every band edge) get zero rows.
+        # Image edges (and, with the halo exchange off, every band edge) get the conv's padding.
         if above is None:
-            n = rows.top if self.first else rows.above
-            above = x.new_zeros(_with_rows(x.shape, n)) if n else None
+            above = _edge_rows(x, rows.top if self.first else rows.above, rows.mode, top=True)
         if below is None:
-            n = rows.bottom if self.last else rows.below
-            below = x.new_zeros(_with_rows(x.shape, n)) if n else None
+            below = _edge_rows(x, rows.bottom if self.last else rows.below, rows.mode, top=False)
         parts = [t for t in (above, x, below) if t is not None]
         return torch.cat(parts, dim=ROWS) if len(parts) > 1 else x
 
@@ -327,6 +347,20 @@ def _with_rows(shape, rows: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _edge_rows(x: torch.Tensor, n: int, mode: str, *, top: bool) -> torch.Tensor | None:
+    """The ``n`` rows that ``F.pad(mode=...)`` would add above (``top``) or below ``x``."""
+    if not n:
+        return None
+    have = x.shape[ROWS]
+    if mode == "zeros":
+        return x.new_zeros(_with_rows(x.shape, n))
+    if mode == "replicate":
+        return x.narrow(ROWS, 0 if top else have - 1, 1).expand(_with_rows(x.shape, n))
+    if n >= have:
+        raise RuntimeError(f"parallel VAE: a band of {have} rows cannot reflect {n} rows of padding")
+    return x.narrow(ROWS, 1 if top else have - 1 - n, n).flip(ROWS)
+
+
 def _pad_rows0(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
@@ -383,6 +417,10 @@ def _banded(root: torch.nn.Module, bands: BandPlan, convs, run: _BandRun):
             if not isinstance(padding, str):
                 padding = tuple(0 if i == len(padding) + ROWS else p for i, p in enumerate(padding))
                 overrides.set(conv, "padding", padding)  # the halo supplies the rows now
+            if rows.own_mode:  # torch pads with F.pad((w, w, h, h, ...)) itself: not along the rows now
+                pads = list(conv._reversed_padding_repeated_twice)
+                pads[2] = pads[3] = 0
+                overrides.set(conv, "_reversed_padding_repeated_twice", pads)
             original = conv._conv_forward  # a bound method, or an override already in place
             overrides.set(conv, "_conv_forward", functools.partial(run.conv, rows, original))
         for _, m in root.named_modules():
@@ -391,6 +429,10 @@ def _banded(root: torch.nn.Module, bands: BandPlan, convs, run: _BandRun):
             for site in bands.attention:
                 if matches_any(m, (site.owner,), inherited=False):
                     overrides.set(m, site.function, run.attention)
+        for spec in bands.call_globals:
+            module = sys.modules.get(spec.module)
+            if module is not None:  # not imported: the model cannot be reading it
+                overrides.set(module, spec.name, spec.value)
         yield
     finally:
         overrides.restore()
@@ -426,6 +468,8 @@ def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, ra
         raise ValueError(f"parallel VAE: {method} expects a [B, C, (T,) H, W] tensor first, got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
     local_only = frozenset(PARTS) if not communicate else frozenset(getattr(module, LOCAL_ONLY_ATTR, ()) or ())
+    kwargs = dict(kwargs)
+    buffer = kwargs.pop(bands_plan.output_argument, None) if bands_plan.output_argument else None
     unit = 1 if method == "decode" else int(bands_plan.encode_rows(module))
     convs = band_convs(module, bands_plan)
     halo = max([1] + [rows.halo for _, rows in convs])
@@ -442,11 +486,19 @@ def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, ra
                     world_size, halo, unit, method)
         last_run["fallback"] = True
         out = call(*args, **kwargs)
-        return out if rank == 0 else None
+        return _into(buffer, out) if rank == 0 else None
     start, size = bands.start(rank), bands.sizes()[rank]
     local = x.narrow(ROWS, start, size).contiguous()
     run = _BandRun(group, world_size, rank, local_only)
     with _banded(module, bands_plan, convs, run):
         out = call(local, *args[1:], **kwargs)
     last_run.update(largest_conv_input=run.largest_conv_input, exchanges=run.exchanges, band=(start, size))
-    return run.gather_output(out)
+    return _into(buffer, run.gather_output(out))
+
+
+def _into(buffer: torch.Tensor | None, out: torch.Tensor | None):
+    """The output, copied into the caller's output buffer where it passed one (rank 0)."""
+    if buffer is None or out is None:
+        return out
+    buffer.copy_(out)
+    return buffer

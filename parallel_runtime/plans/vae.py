@@ -9,9 +9,10 @@ way for every family):
   is applied only at the top and bottom of the whole image.
 - ``padded``: convolutions whose input the code around them pads along the rows
   before the conv runs (ComfyUI's ``Downsample`` pads ``(0, 1)`` with ``F.pad``,
-  Wan's ``CausalConv3d`` pads itself, Wan's ``Resample`` has a ``ZeroPad2d``).
+  Wan's ``CausalConv3d`` pads itself, Wan's ``Resample`` has a ``ZeroPad2d``,
+  HunyuanVideo's ``CarriedConv3d`` / ``VideoConv3d`` pad by replication).
   On a band those rows are wrong at the band edges; the runtime removes them and
-  treats them as the conv's global padding.
+  treats them as the conv's global padding, in the declared mode.
 - ``group_norms``: normalisations over space; their statistics are combined
   over all ranks.
 - ``attention``: modules that call ``fn(q, k, v)`` on ``[B, C, H, W]`` tensors
@@ -24,12 +25,27 @@ way for every family):
   A model holding any class the plan does not name is refused, so a variant
   with an unknown layer cannot be decoded silently wrong.
 
+- ``call_globals``: module globals set for the call (LTX sizes its time chunks
+  from the tensor it holds; on bands of different heights the ranks would chunk
+  differently, so every band runs unchunked, as one chunk).
+- ``output_argument``: a decode keyword naming the caller's output tensor (LTX's
+  ``output_buffer``); the bands decode without it and rank 0 fills it.
+
+A class may have several plans (ComfyUI's ``AutoencoderKL`` is also the
+HunyuanVideo VAE, its ``AutoencodingEngine`` also HunyuanImage 2.1's): the first
+plan that covers every layer of the model is used.
+
+Families: KL autoencoders (SD, SDXL, SD3, Flux.1, Flux.2), the HunyuanVideo VAE
+(3D ``AutoencoderKL``), the HunyuanImage 2.1 32x VAE, the Wan 2.1 and 2.2 VAEs
+and the LTX-2 video VAE (also LTXV 0.9.0's).
+
 Classes are named by qualified name. Convs and norms match through the class
 hierarchy (ComfyUI's ``ops.Conv2d`` is a ``torch.nn.Conv2d``); every other
 class must match exactly (a subclass may do something else).
 
 Time (video VAEs): each rank runs the model's own frame loop on its band; the
-causal time caches hold only the band's rows, so they stay per rank.
+causal time caches (Wan's, HunyuanVideo's conv carries, LTX's) hold only the
+band's rows, so they stay per rank.
 """
 from __future__ import annotations
 
@@ -48,12 +64,23 @@ class PaddedConv:
     """A conv whose input the forward of ``owner`` pads along the rows first.
 
     ``conv``: dotted attribute path from the owner to the conv ("" when the owner
-    is the conv itself). ``rows(owner) -> (top, bottom)``: the zero rows added.
+    is the conv itself). ``rows(owner) -> (top, bottom)``: the rows added ((0, 0):
+    this spec does not pad that conv). ``mode(owner)``: how ("zeros", "replicate", "reflect").
     """
 
     owner: str
     conv: str
     rows: Callable[[torch.nn.Module], tuple[int, int]]
+    mode: Callable[[torch.nn.Module], str] = field(default=lambda owner: "zeros")
+
+
+@dataclass(frozen=True)
+class ModuleGlobal:
+    """``module.name = value`` for the duration of a banded call."""
+
+    module: str
+    name: str
+    value: object
 
 
 @dataclass(frozen=True)
@@ -76,6 +103,8 @@ class BandPlan:
     padded: tuple[PaddedConv, ...] = ()
     # Why a model of a covered class is not supported after all (None: it is).
     refuse: Callable[[torch.nn.Module], "str | None"] = field(default=lambda module: None)
+    call_globals: tuple[ModuleGlobal, ...] = ()
+    output_argument: str | None = None
 
     def known(self) -> frozenset[str]:
         return frozenset((*self.row_local, *(a.owner for a in self.attention), *(p.owner for p in self.padded)))
@@ -108,11 +137,15 @@ def _kl_encode_rows(module) -> int:
     return factor * (2 if getattr(module, "bn", None) is not None else 1)
 
 
+# F.pad(x, (0, 1, 0, 1)) on 4D input (a 2D conv); the 3D variant below pads otherwise.
+_KL_DOWNSAMPLE = PaddedConv(f"{_KL}.Downsample", "conv",
+                            lambda m: (0, 1) if isinstance(m.conv, torch.nn.Conv2d) else (0, 0))
+
 KL_BANDS = BandPlan(
     convs=TORCH_CONVS,
     group_norms=TORCH_GROUP_NORM,
     attention=(AttentionSite(f"{_KL}.AttnBlock"),),
-    padded=(PaddedConv(f"{_KL}.Downsample", "conv", lambda m: (0, 1)),),  # F.pad(x, (0, 1, 0, 1)) on 4D input
+    padded=(_KL_DOWNSAMPLE,),
     row_local=(
         *TORCH_ROW_LOCAL,
         "comfy.ldm.models.autoencoder.AutoencoderKL", "comfy.ldm.models.autoencoder.AutoencodingEngine",
@@ -133,6 +166,83 @@ KL = ModelPlan(
     context_parallel=NO_SEQUENCE_SPLIT,
     kind="vae",
     vae=KL_BANDS,
+    notes="row bands; halo exchange per conv, GroupNorm statistics all-reduced, mid-block attention gathers K/V",
+)
+
+# ---------------------------------------------------------------- HunyuanVideo VAE
+# ComfyUI's AutoencoderKL with ``conv3d``: every 3x3x3 conv pads (1, 1) rows by replication
+# first, in ``conv_carry_causal_3d`` (CarriedConv3d, whose time carry holds the band's rows),
+# in ``VideoConv3d`` or in ``Downsample`` (5D input).
+
+
+def _video_conv_rows(conv) -> tuple[int, int]:
+    pad = conv.padding
+    return (int(pad[2]), int(pad[3])) if isinstance(pad, (tuple, list)) else (0, 0)
+
+
+def _is_video_conv(module) -> bool:
+    return type(module).__qualname__ == "VideoConv3d"
+
+
+HUNYUAN_VIDEO_BANDS = BandPlan(
+    convs=TORCH_CONVS,
+    group_norms=TORCH_GROUP_NORM,
+    attention=(AttentionSite(f"{_KL}.AttnBlock"),),  # over all frames and pixels
+    padded=(
+        _KL_DOWNSAMPLE,
+        PaddedConv(f"{_KL}.Downsample", "conv.conv", lambda m: (1, 1) if _is_video_conv(m.conv) else (0, 0),
+                   mode=lambda m: "replicate"),
+        # ``conv_carry_causal_3d`` pads; a 1x1x1 CarriedConv3d (nin_shortcut) is called directly.
+        PaddedConv(f"{_KL}.CarriedConv3d", "conv", lambda m: (1, 1) if m.conv.kernel_size[-2] > 1 else (0, 0),
+                   mode=lambda m: "replicate"),
+        PaddedConv(f"{_KL}.VideoConv3d", "conv", _video_conv_rows, mode=lambda m: m.padding_mode),
+    ),
+    row_local=(
+        *TORCH_ROW_LOCAL,
+        "comfy.ldm.models.autoencoder.AutoencoderKL", "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer",
+        f"{_KL}.Encoder", f"{_KL}.Decoder", f"{_KL}.ResnetBlock",
+        f"{_KL}.Upsample",  # nearest 2x (the first frame alone in space), then a conv
+    ),
+    encode_rows=_kl_encode_rows,
+)
+
+HUNYUAN_VIDEO = ModelPlan(
+    family="vae_hunyuan_video",
+    title="HunyuanVideo VAE",
+    classes=("comfy.ldm.models.autoencoder.AutoencoderKL",),
+    heads_attr="decoder.ch",
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="vae",
+    vae=HUNYUAN_VIDEO_BANDS,
+    notes="row bands; replicate padding at the image edges; conv carries per rank; mid-block attention gathers K/V",
+)
+
+# ---------------------------------------------------------------- HunyuanImage 2.1 VAE
+# 32x: a 2D AutoencodingEngine whose levels fold 2x2 pixels into channels (PixelShuffle2D /
+# PixelUnshuffle2D around a 3x3 conv), with ComfyUI's ResnetBlock and AttnBlock.
+_HYI = "comfy.ldm.hunyuan_video.vae"
+
+HUNYUAN_IMAGE21_BANDS = BandPlan(
+    convs=TORCH_CONVS,
+    group_norms=TORCH_GROUP_NORM,
+    attention=(AttentionSite(f"{_KL}.AttnBlock"),),
+    row_local=(
+        *TORCH_ROW_LOCAL,
+        "comfy.ldm.models.autoencoder.AutoencodingEngine", "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer",
+        f"{_HYI}.Encoder", f"{_HYI}.Decoder", f"{_KL}.ResnetBlock",
+        f"{_HYI}.PixelShuffle2D", f"{_HYI}.PixelUnshuffle2D",  # 2x2 pixels <-> channels
+    ),
+    encode_rows=lambda m: 2 ** sum(hasattr(stage, "downsample") for stage in m.encoder.down),
+)
+
+HUNYUAN_IMAGE21 = ModelPlan(
+    family="vae_hunyuan_image21",
+    title="HunyuanImage 2.1 32x VAE",
+    classes=("comfy.ldm.models.autoencoder.AutoencodingEngine",),
+    heads_attr="decoder.z_channels",
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="vae",
+    vae=HUNYUAN_IMAGE21_BANDS,
     notes="row bands; halo exchange per conv, GroupNorm statistics all-reduced, mid-block attention gathers K/V",
 )
 
@@ -210,7 +320,73 @@ WAN22 = ModelPlan(
     notes="row bands; causal time caches per rank; frame attention gathers K/V",
 )
 
-PLANS: tuple[ModelPlan, ...] = (KL, WAN21, WAN22)
+# ---------------------------------------------------------------- LTX-2 video VAE
+# LTX's CausalVideoAutoencoder (``VideoVAE``): causal 3x3x3 convs whose inner Conv3d pads the
+# rows itself (zeros, or reflect in a decoder built without a config), the time by repeating
+# frames (caches per rank); 2x2 space-to-depth / depth-to-space around convs; per-pixel norms.
+_LTX = "comfy.ldm.lightricks.vae"
+
+
+def _ltx_row_stride(block) -> int:
+    conv = getattr(block, "conv", None)
+    if type(block).__qualname__ == "SpaceToDepthDownsample":
+        return int(block.stride[1])
+    return int(conv.stride[1]) if isinstance(conv, torch.nn.Conv3d) else 1  # a compress_* CausalConv3d
+
+
+def _ltx_encode_rows(module) -> int:
+    rows = int(module.encoder.patch_size)
+    for block in module.encoder.down_blocks:
+        rows *= _ltx_row_stride(block)
+    return rows
+
+
+def _ltx_refuse(module) -> str | None:
+    noisy = [m for m in module.modules() if getattr(m, "inject_noise", False)]
+    if getattr(module, "timestep_conditioning", False) or noisy:
+        return ("its decoder adds fresh random noise (timestep conditioning or noise injection, LTXV 0.9.1 to "
+                "0.9.8), so no two decodes agree and a band could not equal the untiled one")
+    return None
+
+
+def _unchunked(device) -> int:
+    return 1 << 62
+
+
+LTX2_BANDS = BandPlan(
+    convs=TORCH_CONVS,
+    group_norms=TORCH_GROUP_NORM,
+    attention=(),
+    row_local=(
+        *TORCH_ROW_LOCAL,
+        "comfy.ops.disable_weight_init.LayerNorm",  # over channels, per pixel
+        f"{_LTX}.causal_video_autoencoder.VideoVAE", f"{_LTX}.causal_video_autoencoder.Encoder",
+        f"{_LTX}.causal_video_autoencoder.Decoder", f"{_LTX}.causal_video_autoencoder.UNetMidBlock3D",
+        f"{_LTX}.causal_video_autoencoder.ResnetBlock3D", f"{_LTX}.causal_video_autoencoder.LayerNorm",
+        f"{_LTX}.causal_video_autoencoder.processor",  # per-channel statistics
+        f"{_LTX}.causal_video_autoencoder.SpaceToDepthDownsample",  # a conv, then 2x2 pixels -> channels
+        f"{_LTX}.causal_video_autoencoder.DepthToSpaceUpsample",  # a conv, then channels -> 2x2 pixels
+        f"{_LTX}.causal_conv3d.CausalConv3d",  # time padding and cache; its Conv3d pads the rows
+        f"{_LTX}.pixel_norm.PixelNorm",
+    ),
+    encode_rows=_ltx_encode_rows,
+    refuse=_ltx_refuse,
+    call_globals=(ModuleGlobal(f"{_LTX}.causal_video_autoencoder", "get_max_chunk_size", _unchunked),),
+    output_argument="output_buffer",
+)
+
+LTX2 = ModelPlan(
+    family="vae_ltx2",
+    title="LTX-2 video VAE (also LTXV 0.9.0)",
+    classes=(f"{_LTX}.causal_video_autoencoder.VideoVAE",),
+    heads_attr="decoder.patch_size",
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="vae",
+    vae=LTX2_BANDS,
+    notes="row bands; causal time caches per rank, one time chunk per band; halo exchange per conv",
+)
+
+PLANS: tuple[ModelPlan, ...] = (KL, HUNYUAN_VIDEO, HUNYUAN_IMAGE21, WAN21, WAN22, LTX2)
 
 
 # ---------------------------------------------------------------- lookup
@@ -239,29 +415,29 @@ def supported_vaes_text() -> str:
     return "; ".join(f"{plan.title} ({', '.join(c.rsplit('.', 1)[1] for c in plan.classes)})" for plan in PLANS)
 
 
-def _plan_of_class(module: torch.nn.Module) -> ModelPlan | None:
+def _plans_of_class(module: torch.nn.Module) -> list[ModelPlan]:
     name = _qualified(type(module))
-    for plan in PLANS:
-        if name in plan.classes:
-            return plan
-    return None
+    return [plan for plan in PLANS if name in plan.classes]
 
 
 def check_vae(module: torch.nn.Module) -> ModelPlan:
     """The band plan for this VAE (``first_stage_model`` of ComfyUI's ``VAE``), or a
-    ValueError that names the class and the supported ones."""
+    ValueError that names the class and the supported ones. Of the plans for its class,
+    the first that covers every layer of the model."""
     name = _qualified(type(module))
-    plan = _plan_of_class(module)
-    if plan is None:
+    plans = _plans_of_class(module)
+    if not plans:
         raise ValueError(f"parallel VAE: {name} is not supported. Supported VAEs: {supported_vaes_text()}")
-    unknown = unknown_layers(module, plan.vae)
-    if unknown:
-        raise ValueError(f"parallel VAE: this {type(module).__name__} contains layers the {plan.title} plan does "
-                         f"not cover ({', '.join(unknown)}), so it cannot be split into row bands exactly. "
-                         f"Supported VAEs: {supported_vaes_text()}")
+    covering = [plan for plan in plans if not unknown_layers(module, plan.vae)]
+    plan = covering[0] if covering else plans[0]
     why = plan.vae.refuse(module)
     if why:
         raise ValueError(f"parallel VAE: this {type(module).__name__} is not supported: {why}")
+    if not covering:
+        unknown = unknown_layers(module, plan.vae)
+        raise ValueError(f"parallel VAE: this {type(module).__name__} contains layers the {plan.title} plan does "
+                         f"not cover ({', '.join(unknown)}), so it cannot be split into row bands exactly. "
+                         f"Supported VAEs: {supported_vaes_text()}")
     return plan
 
 
