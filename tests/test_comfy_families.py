@@ -8,9 +8,10 @@ And never silently wrong: a model changed under its plan the way a ComfyUI updat
 named, not computed."""
 import pytest
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from comfy_server import PromptFailed
-from test_comfy_e2e import final_latent, status
+from test_comfy_e2e import status
 from tiny_families import FAMILIES, family_prompt, file_name
 
 pytestmark = pytest.mark.multirank
@@ -20,9 +21,21 @@ LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "tp2": {"tp_size": 2}}
 _references = {}
 
 
+def final_latents(server, prompt) -> list:
+    """The latents the prompt saved, in file-name order: one, or one per stream (LTX-2's video
+    and audio)."""
+    entry = server.run(prompt, timeout=300)
+    return [load_file(str(path))["latent_tensor"] for path in sorted(server.outputs(entry, "latents"))]
+
+
+def max_error(out: list, ref: list) -> float:
+    assert [o.shape for o in out] == [r.shape for r in ref]
+    return max((o - r).abs().max().item() for o, r in zip(out, ref))
+
+
 def reference(server, family):
     if family not in _references:
-        _references[family] = final_latent(server, family_prompt(family, None))
+        _references[family] = final_latents(server, family_prompt(family, None))
     return _references[family]
 
 
@@ -38,32 +51,37 @@ def file_bytes(server, family) -> int:
                          ids=[f"{layout}-{family}" for layout in LAYOUTS for family in FAMILIES])
 def test_family_equals_unsharded(tiny_server, layout, family):
     ref = reference(tiny_server, family)
-    out = final_latent(tiny_server, family_prompt(family, LAYOUTS[layout]))
-    err = (out - ref).abs().max().item()
+    out = final_latents(tiny_server, family_prompt(family, LAYOUTS[layout]))
+    err = max_error(out, ref)
     info = status(tiny_server)
-    line = f"\n{family} {layout}: max abs err {err:.2e} (latents up to {ref.abs().max().item():.2f})"
+    line = f"\n{family} {layout}: max abs err {err:.2e} (latents up to {max(r.abs().max().item() for r in ref):.2f})"
     if layout == "tp2":
         shares = [r["param_bytes"] / file_bytes(tiny_server, family) for r in info["ranks"]]
         line += f"; weights per rank / file = {[round(s, 3) for s in shares]}"
     print(line)
-    assert out.shape == ref.shape
     assert err <= TOL
     assert info["mesh"]["ulysses" if layout == "ulysses2" else "tp"] == 2
     if layout == "tp2":
         assert len(shares) == 2 and max(shares) <= TP2_BYTES_LIMIT and min(shares) > 0
 
 
+HYBRIDS = {"usp2x2": {"ulysses_size": 2, "ring_size": 2}, "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2}}
+# Wan, and LTX-2 (two streams, cross-stream attention) where this ComfyUI has it.
+HYBRID_FAMILIES = [family for family in ("wan", "ltxav") if family in FAMILIES]
+
+
 @pytest.mark.smoke
-@pytest.mark.parametrize("parallel", [{"ulysses_size": 2, "ring_size": 2}, {"ulysses_size": 2, "tp_size": 2}],
-                         ids=["usp2x2", "ulysses2_tp2"])
-def test_four_rank_hybrids(tiny_server, parallel):
+@pytest.mark.parametrize("hybrid,family", [(h, f) for h in HYBRIDS for f in HYBRID_FAMILIES],
+                         ids=[f"{h}-{f}" if f != "wan" else h for h in HYBRIDS for f in HYBRID_FAMILIES])
+def test_four_rank_hybrids(tiny_server, hybrid, family):
     """USP and Ulysses x TP on four ranks (four heads: one per rank under Ulysses 2 x TP 2)."""
-    ref = reference(tiny_server, "wan")
-    out = final_latent(tiny_server, family_prompt("wan", {**parallel, "devices": "cpu,cpu,cpu,cpu"}))
-    err = (out - ref).abs().max().item()
+    parallel = HYBRIDS[hybrid]
+    ref = reference(tiny_server, family)
+    out = final_latents(tiny_server, family_prompt(family, {**parallel, "devices": "cpu,cpu,cpu,cpu"}))
+    err = max_error(out, ref)
     mesh = status(tiny_server)["mesh"]
-    print(f"\nwan {parallel}: max abs err {err:.2e}")
-    assert out.shape == ref.shape and err <= TOL
+    print(f"\n{family} {parallel}: max abs err {err:.2e}")
+    assert err <= TOL
     assert all(mesh[dim] == size for dim, size in (("ulysses", 2), ("ring", parallel.get("ring_size", 1)),
                                                    ("tp", parallel.get("tp_size", 1))))
 

@@ -31,6 +31,13 @@ VIDEO_LATENT = {"class_type": "EmptyHunyuanLatentVideo",
                 "inputs": {"width": 80, "height": 48, "length": 9, "batch_size": 1}}
 LTXV_LATENT = {"class_type": "EmptyLTXVLatentVideo",
                "inputs": {"width": 224, "height": 160, "length": 17, "batch_size": 1}}
+# LTX-2's audio + video latent as ComfyUI's LTXVConcatAVLatent joins it: LTXV's video (105 tokens)
+# and an audio latent of 8 channels x 16 frames x 16 bins, LTX-2's audio layout. ComfyUI's own LTX
+# audio latent node sizes it from an audio VAE; Ace-Step's empty audio latent has that very shape
+# (1.5 s) with no VAE to load.
+LTXAV_LATENT = {"class_type": "LTXVConcatAVLatent", "inputs": {"video_latent": ["9", 0], "audio_latent": ["10", 0]}}
+LTXAV_LATENT_NODES = {"9": LTXV_LATENT,
+                      "10": {"class_type": "EmptyAceStepLatentAudio", "inputs": {"seconds": 1.5, "batch_size": 1}}}
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ class TinyFamily:
     constructor_only: dict = field(default_factory=dict)  # arguments the detection sets itself (not stated)
     needs: str | None = None  # the module a family newer than ComfyUI 0.3.75 needs
     denoise: float = 1.0      # KSampler's denoise
+    latent_nodes: dict = field(default_factory=dict)  # nodes the latent node takes its inputs from
+    # The sampled latent holds several streams (LTX-2's video and audio): separated and each saved.
+    streams: tuple[str, ...] = ()
 
     def build(self) -> torch.nn.Module:
         import comfy.ops
@@ -89,6 +99,16 @@ ALL_FAMILIES = {
                        dict(in_channels=128, cross_attention_dim=256, attention_head_dim=64, num_attention_heads=4,
                             caption_channels=TEXT_DIM, num_layers=4),
                        LTXV_LATENT, prompt=PROMPT_MASKED),
+    # ComfyUI 0.33 on. Text 64 wide through one connector layer of two heads of 32 (the connectors stay
+    # whole under TP: ComfyUI runs them when it builds the conditioning); audio four heads of 32.
+    "ltxav": TinyFamily("comfy.ldm.lightricks.av_model.LTXAVModel",
+                        dict(in_channels=128, audio_in_channels=128, cross_attention_dim=256,
+                             audio_cross_attention_dim=128, attention_head_dim=64, audio_attention_head_dim=32,
+                             num_attention_heads=4, audio_num_attention_heads=4, caption_channels=TEXT_DIM,
+                             num_layers=6, connector_attention_head_dim=32, connector_num_attention_heads=2,
+                             connector_num_layers=1),
+                        LTXAV_LATENT, needs="comfy.ldm.lightricks.av_model",
+                        latent_nodes=LTXAV_LATENT_NODES, streams=("video", "audio")),
     "lumina2": TinyFamily("comfy.ldm.lumina.model.NextDiT",
                           dict(patch_size=2, in_channels=16, dim=256, n_layers=3, n_refiner_layers=1, n_heads=8,
                                n_kv_heads=4, qk_norm=True, cap_feat_dim=TEXT_DIM, axes_dims=[8, 12, 12],
@@ -197,7 +217,13 @@ def family_prompt(family: str, parallel: dict | None) -> dict:
         "5": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["4", 1]}},
         "6": spec.latent,
         "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"latents/{family}"}},
+        **spec.latent_nodes,
     }
+    if spec.streams:  # ComfyUI's SaveLatent takes one tensor: the streams apart, one file each
+        prompt["11"] = {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["7", 0]}}
+        for i, stream in enumerate(spec.streams):
+            prompt[str(8 + 4 * i)] = {"class_type": "SaveLatent", "inputs": {
+                "samples": ["11", i], "filename_prefix": f"latents/{family}_{stream}"}}
     if parallel is not None:
         prompt["2"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
                                                                   "cfg_size": 1, "devices": "auto", "backend": "auto",
