@@ -1,7 +1,9 @@
 """Patch-parallel VAE decode and encode over 2 and 4 ranks against the untiled decode and
-encode on one process (fp32), for every supported family, with heights that no world
-size divides. Rank 0 is this process; the others are worker processes."""
+encode on one process (fp32), for every supported family (KL, HunyuanVideo, HunyuanImage 2.1,
+Wan 2.1 / 2.2, LTX-2), with heights that no world size divides. Rank 0 is this process; the
+others are worker processes."""
 import copy
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from parallel_runtime.parallel import vae_bands as vae_parallel
 from parallel_runtime.plans import find_vae_plan, plan_for_family
 from parallel_runtime.plans.vae import check_vae
 from parallel_runtime.parallel.vae_bands import Bands, ConvRows
-from vae_cases import VAES, randomize
+from vae_cases import LTX2_CONFIG, VAES, randomize
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-5
@@ -69,11 +71,12 @@ def test_matches_single_process(world, built, case, method):
     out = parallel(world, vae, method, z if method == "decode" else x)
     assert out.shape == ref.shape
     err = (out - ref).abs().max().item()
+    rel = err / ref.abs().max().item()
     run = vae_parallel.last_run
     n = world.world_size
     share = run["largest_conv_input"] / full_largest
     units = run["rows"] // run["unit"]
-    print(f"\n{case} {method} over {n} ranks: bands {run['sizes']} rows, max abs err {err:.2e} "
+    print(f"\n{case} {method} over {n} ranks: bands {run['sizes']} rows, max abs err {err:.2e}, relative {rel:.2e} "
           f"(output scale {ref.abs().max().item():.2f}); rank 0's largest conv input is {share:.3f} of the untiled one")
     assert not run["fallback"]
     assert err <= TOL
@@ -123,6 +126,31 @@ def test_encode_rows_that_do_not_fill_a_latent_row(runtime, built, case):
     assert vae_parallel.last_run["sizes"][-1] == 28
     assert out.shape == ref.shape
     assert (out - ref).abs().max().item() <= TOL
+
+
+def test_ltx_output_buffer_and_time_chunks(runtime, built, monkeypatch):
+    """ComfyUI 0.33 hands LTX's decode a preallocated ``output_buffer`` of the whole video: the
+    bands decode without it and rank 0 fills it. And the bands run as one time chunk each (a
+    band's own chunking would depend on its height): equal to a single-process decode chunked
+    as finely as it goes, the global put back afterwards."""
+    vae, z = built("ltx2")[:2]
+    ltx = sys.modules[type(vae).__module__]
+    if not hasattr(ltx, "get_max_chunk_size"):
+        pytest.skip("ComfyUI before 0.33 decodes LTX without time chunks or an output buffer")
+    original = ltx.get_max_chunk_size
+    monkeypatch.setattr(ltx, "get_max_chunk_size", lambda device: 1)  # every up block in one-frame chunks
+    with torch.inference_mode():
+        ref = vae.decode(z)
+    monkeypatch.setattr(ltx, "get_max_chunk_size", original)
+    buffer = torch.full(vae.decode_output_shape(z.shape), float("nan"))
+    with torch.inference_mode():
+        out = world_of(runtime, 2).forward(vae, check_vae(vae), type(vae).decode.__get__(vae), (z,),
+                                           {"output_buffer": buffer})
+    assert out is buffer
+    err = (buffer - ref).abs().max().item()
+    print(f"\nltx2 decode into the output buffer, 2 ranks, against a chunked decode: max abs err {err:.2e}")
+    assert err <= TOL
+    assert ltx.get_max_chunk_size is original
 
 
 def test_too_few_rows_runs_whole_on_every_rank(runtime, built):
@@ -195,6 +223,22 @@ def test_unsupported_vaes_are_refused():
     vae.decoder.blur = torch.nn.AvgPool2d(3, stride=1, padding=1)
     with pytest.raises(ValueError, match=r"torch\.nn\.modules\.pooling\.AvgPool2d"):
         check_vae(vae)
+    # The same for a class that has several plans (the HunyuanVideo VAE is an AutoencoderKL).
+    vae = VAES["hunyuan_video"]()[0]
+    assert check_vae(vae) is plan_for_family("vae_hunyuan_video")
+    vae.decoder.blur = torch.nn.AvgPool2d(3, stride=1, padding=1)
+    with pytest.raises(ValueError, match=r"AvgPool2d"):
+        check_vae(vae)
+
+
+def test_noisy_ltx_decoders_are_refused():
+    """LTXV 0.9.1 to 0.9.8's decoders add fresh noise to every decode: no band can equal it."""
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+
+    assert check_vae(VideoVAE(config=LTX2_CONFIG)) is plan_for_family("vae_ltx2")
+    noisy = VideoVAE(config=dict(LTX2_CONFIG, timestep_conditioning=True))
+    with pytest.raises(ValueError, match="random noise"):
+        check_vae(noisy)
 
 
 def test_band_geometry():

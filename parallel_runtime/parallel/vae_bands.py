@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 from dataclasses import dataclass
@@ -468,8 +469,7 @@ def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, ra
         raise ValueError(f"parallel VAE: {method} expects a [B, C, (T,) H, W] tensor first, got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
     local_only = frozenset(PARTS) if not communicate else frozenset(getattr(module, LOCAL_ONLY_ATTR, ()) or ())
-    kwargs = dict(kwargs)
-    buffer = kwargs.pop(bands_plan.output_argument, None) if bands_plan.output_argument else None
+    args, kwargs, buffer = _take_argument(call, args, kwargs, bands_plan.output_argument)
     unit = 1 if method == "decode" else int(bands_plan.encode_rows(module))
     convs = band_convs(module, bands_plan)
     halo = max([1] + [rows.halo for _, rows in convs])
@@ -494,6 +494,20 @@ def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, ra
         out = call(local, *args[1:], **kwargs)
     last_run.update(largest_conv_input=run.largest_conv_input, exchanges=run.exchanges, band=(start, size))
     return _into(buffer, run.gather_output(out))
+
+
+def _take_argument(call, args: tuple, kwargs: dict, name: str | None):
+    """``(args, kwargs, value)``: the call's arguments without ``name`` (passed by keyword, or by
+    position as the dispatch binds it) and its value (None where absent or no name)."""
+    kwargs = dict(kwargs)
+    if not name:
+        return args, kwargs, None
+    try:
+        bound = inspect.signature(call).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # not introspectable: by keyword only
+        return args, kwargs, kwargs.pop(name, None)
+    value = bound.arguments.pop(name, None)
+    return bound.args, bound.kwargs, value
 
 
 def _into(buffer: torch.Tensor | None, out: torch.Tensor | None):
