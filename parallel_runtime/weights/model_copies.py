@@ -235,12 +235,30 @@ class ModelCopies:
     def _send_stream(self, module, plan, source, key, tp, coords):
         """Accelerators and other hosts: a skeleton, then the bytes from rank 0's device."""
         world = self.world
-        device = world.device
         names = {id(t): n for n, t in named_tensors(module)}
         cuts = cut_plan(module, plan.tensor_parallel, tp) if tp > 1 else {}
+        forms = self._stream_forms(module, source, cuts, tp)
+        data, tensors, packed_slots, parts = pickling.pack_skeleton(
+            module, module_state=sources.worker_module_state, forms=forms)
+        entries = _stream_entries(tensors, packed_slots, parts, forms, cuts)
+        wire = [e.wire() for e in entries]
+        for w in world.workers:
+            w.conn.send(("load_stream", key, plan.family, data, wire, (coords[w.rank], tp), self.transport,
+                         stream.BUCKET_BYTES))
+        weight = self._stream_weight(module, source, names, tensors, packed_slots, parts, forms, tp)
+        kept = stream.send(entries, weight, self._channel(), world.device, tp, coords,
+                           keep_coord=coords[0] if tp > 1 else None, bucket_bytes=stream.BUCKET_BYTES)
+        if tp == 1:
+            return module
+        shard = finish_shard(pickling.unpack_skeleton(data, kept), plan.tensor_parallel, coords[0], tp)
+        return shard.to(world.device)
+
+    def _stream_forms(self, module, source, cuts, tp) -> dict:
+        """Packed (GGUF) tensors: stored as they are, or dequantized where TP cannot cut them;
+        ComfyUI's quantized layouts that TP cuts: each rank's part, a slot per data / scale tensor.
+        A cut layer's LoRA tensors are added to ``cuts``: the stream cuts them alike."""
         dtype = (source.compute_dtype() if source is not None else None) or torch.float32
-        forms = {}  # packed (GGUF) tensors: stored as they are, or dequantized where TP cannot cut them;
-        # ComfyUI's quantized layouts that TP cuts: each rank's part, a slot per data / scale tensor
+        forms = {}
         for name, t in named_tensors(module):
             if id(t) in cuts and quantized.layout_name(t) is not None:
                 forms[id(t)] = quantized.PartForm(t, cuts[id(t)], tp)
@@ -248,43 +266,17 @@ class ModelCopies:
             form = packed.stream_form(t, cuts.get(id(t)), tp, self._packed_patches(source, name, t), dtype)
             if form is not None:
                 forms[id(t)] = form
-                cuts.update(form.patch_cuts or {})  # the stream cuts a cut layer's LoRA tensors alike
-        data, tensors, packed_slots, parts = pickling.pack_skeleton(
-            module, module_state=sources.worker_module_state, forms=forms)
-        entries = []
-        for i, t in enumerate(tensors):
-            origin = packed_slots.get(i)
-            if i in parts:  # one plain tensor of each rank's part of a quantized tensor
-                form = forms[id(t)]
-                shape, part_dtype = form.specs[parts[i]]
-                entries.append(stream.Entry(shape, part_dtype, quantized.PartOf(form.cut, parts[i], shape)))
-            elif origin is not None:  # a packed tensor's stored data
-                cut = cuts.get(id(origin))
-                entries.append(stream.Entry(tuple(t.shape), t.dtype, packed.stored_cut(cut, origin) if cut else None))
-            elif id(t) in forms:  # dequantized
-                entries.append(stream.Entry(packed.logical_shape(t), forms[id(t)].dtype, cuts.get(id(t))))
-            else:
-                entries.append(stream.Entry(tuple(t.shape), t.dtype, cuts.get(id(t))))
-        wire = [e.wire() for e in entries]
-        for w in world.workers:
-            w.conn.send(("load_stream", key, plan.family, data, wire, (coords[w.rank], tp), self.transport,
-                         stream.BUCKET_BYTES))
+                cuts.update(form.patch_cuts or {})
+        return forms
+
+    def _stream_weight(self, module, source, names, tensors, packed_slots, parts, forms, tp):
+        """``weight(i)``: the tensor the stream sends for skeleton slot ``i``, as the forward uses it
+        (patched, dequantized where its form says so), read from rank 0's device."""
+        device = self.world.device
         weight_of = self._weight_of(module, source, device)
         dequantize = self._dequantize(module, source)
-
         offload = sources.offload_target(module) if tp > 1 else None
         owner_of = sources.owners(module) if offload is not None else {}
-
-        def weight(i):
-            w = source_weight(i)
-            t = tensors[i]
-            name = names.get(id(t))
-            if offload is not None and i not in parts and i not in packed_slots and id(t) not in forms and name in owner_of:
-                # Cut from the device where ComfyUI left it; the module's own tensor leaves the device
-                # now, while this bucket still reads the device data (a detached alias of it).
-                w = w.detach() if w is t else w
-                sources.offload_tensor(owner_of[name], name.rsplit(".", 1)[-1], offload)
-            return w
 
         def source_weight(i):
             t = tensors[i]
@@ -299,12 +291,18 @@ class ModelCopies:
                 return dequantize(name, packed.with_patches(on_device, list(form.patches)))
             return weight_of(name, t)
 
-        kept = stream.send(entries, weight, self._channel(), device, tp, coords,
-                           keep_coord=coords[0] if tp > 1 else None, bucket_bytes=stream.BUCKET_BYTES)
-        if tp == 1:
-            return module
-        shard = finish_shard(pickling.unpack_skeleton(data, kept), plan.tensor_parallel, coords[0], tp)
-        return shard.to(device)
+        def weight(i):
+            w = source_weight(i)
+            t = tensors[i]
+            name = names.get(id(t))
+            if offload is not None and i not in parts and i not in packed_slots and id(t) not in forms and name in owner_of:
+                # Cut from the device where ComfyUI left it; the module's own tensor leaves the device
+                # now, while this bucket still reads the device data (a detached alias of it).
+                w = w.detach() if w is t else w
+                sources.offload_tensor(owner_of[name], name.rsplit(".", 1)[-1], offload)
+            return w
+
+        return weight
 
     def _channel(self):
         if self.transport == "process_group":
@@ -355,3 +353,23 @@ def _release_key(copies_ref, key: str) -> None:
     copies = copies_ref()
     if copies is not None:
         copies._dead_keys.append(key)
+
+
+def _stream_entries(tensors, packed_slots, parts, forms, cuts) -> list:
+    """One stream entry per skeleton slot: its shape and dtype on the wire and the cut each rank
+    keeps (None: whole)."""
+    entries = []
+    for i, t in enumerate(tensors):
+        origin = packed_slots.get(i)
+        if i in parts:  # one plain tensor of each rank's part of a quantized tensor
+            form = forms[id(t)]
+            shape, part_dtype = form.specs[parts[i]]
+            entries.append(stream.Entry(shape, part_dtype, quantized.PartOf(form.cut, parts[i], shape)))
+        elif origin is not None:  # a packed tensor's stored data
+            cut = cuts.get(id(origin))
+            entries.append(stream.Entry(tuple(t.shape), t.dtype, packed.stored_cut(cut, origin) if cut else None))
+        elif id(t) in forms:  # dequantized
+            entries.append(stream.Entry(packed.logical_shape(t), forms[id(t)].dtype, cuts.get(id(t))))
+        else:
+            entries.append(stream.Entry(tuple(t.shape), t.dtype, cuts.get(id(t))))
+    return entries

@@ -262,64 +262,76 @@ class World(Dispatch):
             self.state = "stopped"
             self.watchdog.close()
             died_on_their_own = {w.rank for w in self.workers if not w.alive}
-            for w in self.workers:
-                try:
-                    if w.conn is not None and w.alive:
-                        w.conn.send(("shutdown",))
-                except (OSError, EOFError):
-                    pass
-            # Leave the process group first: a worker still blocked in a collective with us then
-            # fails at once, releases its weights and exits, instead of waiting for a timeout.
-            # The subgroups close their connections only once nothing references them.
-            self.mesh = None
-            self.meshes.clear()
-            self._process_groups.clear()
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # a broken group still has to go
-                    log.debug("destroy_process_group failed", exc_info=True)
-            gc.collect()
+            self._tell_workers_to_stop()
+            self._leave_process_groups()
             deadline = time.monotonic() + settings.SHUTDOWN_GRACE_S
             for w in self.workers:
-                if w.proc is None:  # on another host: it exits when told, or when its connection closes
-                    while w.conn is not None and not w.released and not w.lost and time.monotonic() < deadline:
-                        w.drain()
-                        time.sleep(0.05)
-                    if w.conn is not None:
-                        w.conn.close()
-                    continue
-                try:
-                    w.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    w.proc.kill()
-                    w.proc.wait(5)
-                w.drain()
-                if w.conn is not None:
-                    w.conn.close()
-                if w.rank in died_on_their_own and not w.released:
-                    # It died (SIGKILL, crash) still mapping the shared weights: give back its
-                    # references, or the files would outlive the weights. A worker that stopped
-                    # while releasing them is left alone: a leak is better than a file pulled
-                    # from under a rank that still uses it.
-                    for storages in w.storages.values():
-                        pickling.release_for_dead_receiver(storages)
-                    if w.maps_status_table:
-                        pickling.release_for_dead_receiver([self._status_table.untyped_storage()])
-                elif not w.released and w.storages:
-                    log.warning("rank %d was stopped before it released its shared weights; their shared "
-                                "memory is freed when ComfyUI exits", w.rank)
-                w.storages.clear()
-            if self._listener is not None:
-                self._listener.close()
-            if self._socket_dir:
-                for name in os.listdir(self._socket_dir):
-                    os.unlink(os.path.join(self._socket_dir, name))
-                os.rmdir(self._socket_dir)
-                self._socket_dir = None
-            self._store = None
+                self._wait_for_worker(w, deadline, died_on_their_own)
+            self._close_rendezvous()
             comm.HOST.clear()  # the staging pool's pinned buffers (shared across worlds)
             log.info("parallel world stopped (%s)", reason)
+
+    def _tell_workers_to_stop(self):
+        for w in self.workers:
+            try:
+                if w.conn is not None and w.alive:
+                    w.conn.send(("shutdown",))
+            except (OSError, EOFError):
+                pass
+
+    def _leave_process_groups(self):
+        """Leave the process group first: a worker still blocked in a collective with us then
+        fails at once, releases its weights and exits, instead of waiting for a timeout. The
+        subgroups close their connections only once nothing references them."""
+        self.mesh = None
+        self.meshes.clear()
+        self._process_groups.clear()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group still has to go
+                log.debug("destroy_process_group failed", exc_info=True)
+        gc.collect()
+
+    def _wait_for_worker(self, w, deadline: float, died_on_their_own: set[int]):
+        if w.proc is None:  # on another host: it exits when told, or when its connection closes
+            while w.conn is not None and not w.released and not w.lost and time.monotonic() < deadline:
+                w.drain()
+                time.sleep(0.05)
+            if w.conn is not None:
+                w.conn.close()
+            return
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait(5)
+        w.drain()
+        if w.conn is not None:
+            w.conn.close()
+        if w.rank in died_on_their_own and not w.released:
+            # It died (SIGKILL, crash) still mapping the shared weights: give back its
+            # references, or the files would outlive the weights. A worker that stopped
+            # while releasing them is left alone: a leak is better than a file pulled
+            # from under a rank that still uses it.
+            for storages in w.storages.values():
+                pickling.release_for_dead_receiver(storages)
+            if w.maps_status_table:
+                pickling.release_for_dead_receiver([self._status_table.untyped_storage()])
+        elif not w.released and w.storages:
+            log.warning("rank %d was stopped before it released its shared weights; their shared "
+                        "memory is freed when ComfyUI exits", w.rank)
+        w.storages.clear()
+
+    def _close_rendezvous(self):
+        if self._listener is not None:
+            self._listener.close()
+        if self._socket_dir:
+            for name in os.listdir(self._socket_dir):
+                os.unlink(os.path.join(self._socket_dir, name))
+            os.rmdir(self._socket_dir)
+            self._socket_dir = None
+        self._store = None
 
     @property
     def healthy(self) -> bool:
