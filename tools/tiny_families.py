@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tiny_models import _seeded_, make, stating_config, write_conditioning_dataset
+from tiny_models import (_seeded_, make, siglip_tiny_state_dict, stating_config, taehv_hv15_state_dict,
+                         write_conditioning_dataset)
 
 TEXT_DIM = 64
 TEXT_TOKENS = 7
@@ -25,6 +26,16 @@ TEXT_TOKENS = 7
 PROMPT = "tiny_family_prompt"                # text embedding only
 PROMPT_POOLED = "tiny_family_prompt_pooled"  # with a pooled vector (Flux.1, HunyuanVideo, Chroma)
 PROMPT_MASKED = "tiny_family_prompt_masked"  # with the attention mask LTXV's encoder gives (0.33 requires it)
+# With the byt5 glyph embedding (5 tokens, ByT5-small's width 1472) that HunyuanImage 2.1's and
+# HunyuanVideo 1.5's text encoder adds for quoted text.
+PROMPT_BYT5 = "tiny_family_prompt_byt5"
+BYT5_TOKENS, BYT5_DIM = 5, 1472
+# HunyuanVideo 1.5 I2V's image inputs: a SigLIP-width vision encoder (CLIPVisionLoader, through the
+# test server's extension) and the light 1.5 autoencoder (VAELoader), see tools/tiny_models.py.
+CLIP_VISION_FILE = "tiny_siglip_1152.safetensors"
+HV15_VAE_FILE = "tiny_lighttaehy1_5.safetensors"
+SIDE_FILES = {("clip_vision", CLIP_VISION_FILE): siglip_tiny_state_dict,
+              ("vae", HV15_VAE_FILE): taehv_hv15_state_dict}
 
 IMAGE_LATENT = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 80, "height": 112, "batch_size": 1}}
 VIDEO_LATENT = {"class_type": "EmptyHunyuanLatentVideo",
@@ -38,6 +49,23 @@ LTXV_LATENT = {"class_type": "EmptyLTXVLatentVideo",
 LTXAV_LATENT = {"class_type": "LTXVConcatAVLatent", "inputs": {"video_latent": ["9", 0], "audio_latent": ["10", 0]}}
 LTXAV_LATENT_NODES = {"9": LTXV_LATENT,
                       "10": {"class_type": "EmptyAceStepLatentAudio", "inputs": {"seconds": 1.5, "batch_size": 1}}}
+# HunyuanImage 2.1: 64 channels at 1/32 of the image, 9 x 11 = 99 tokens.
+HUNYUAN_IMAGE_LATENT = {"class_type": "EmptyHunyuanImageLatent", "inputs": {"width": 288, "height": 352, "batch_size": 1}}
+# HunyuanVideo 1.5: 32 channels at 1/16 in space and 1/4 in time, 3 x 5 x 7 = 105 tokens.
+HV15_SIZE = {"width": 112, "height": 80, "length": 9, "batch_size": 1}
+HV15_LATENT = {"class_type": "EmptyHunyuanVideo15Latent", "inputs": HV15_SIZE}
+# 1.5 I2V as ComfyUI's template builds it: the start image encoded into the concatenated latent
+# (first frame unmasked) and its SigLIP features as vision tokens (3 x 3 patches), both set on the
+# conditioning by HunyuanVideo15ImageToVideo, whose outputs KSampler samples.
+HV15_I2V_LATENT = {"class_type": "HunyuanVideo15ImageToVideo", "inputs": {
+    "positive": ["4", 1], "negative": ["5", 0], "vae": ["23", 0], "start_image": ["21", 0],
+    "clip_vision_output": ["22", 0], **HV15_SIZE}}
+HV15_I2V_NODES = {
+    "20": {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": CLIP_VISION_FILE}},
+    "21": {"class_type": "EmptyImage", "inputs": {"width": 112, "height": 80, "batch_size": 1, "color": 0x3C8CD2}},
+    "22": {"class_type": "CLIPVisionEncode", "inputs": {"clip_vision": ["20", 0], "image": ["21", 0], "crop": "center"}},
+    "23": {"class_type": "VAELoader", "inputs": {"vae_name": HV15_VAE_FILE}},
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +80,8 @@ class TinyFamily:
     latent_nodes: dict = field(default_factory=dict)  # nodes the latent node takes its inputs from
     # The sampled latent holds several streams (LTX-2's video and audio): separated and each saved.
     streams: tuple[str, ...] = ()
+    # KSampler inputs taken from elsewhere: an I2V node's conditioning and latent outputs.
+    sampler_inputs: dict = field(default_factory=dict)
 
     def build(self) -> torch.nn.Module:
         import comfy.ops
@@ -65,6 +95,10 @@ class TinyFamily:
 
 FLUX_LIKE = dict(mlp_ratio=4.0, num_heads=4, depth=2, depth_single_blocks=2, axes_dim=[16, 24, 24], theta=10000,
                  qkv_bias=True, hidden_size=256)
+HV15_CONFIG = dict(FLUX_LIKE, in_channels=65, out_channels=32, vec_in_dim=None, context_in_dim=TEXT_DIM, theta=256,
+                   patch_size=[1, 1, 1], guidance_embed=False)
+HV15_DETECTED = dict(image_model="hunyuan_video", byt5=True, meanflow=False, use_cond_type_embedding=True,
+                     vision_in_dim=1152)
 
 ALL_FAMILIES = {
     "flux": TinyFamily("comfy.ldm.flux.model.Flux",
@@ -95,6 +129,26 @@ ALL_FAMILIES = {
                                 VIDEO_LATENT, prompt=PROMPT_POOLED,
                                 constructor_only=dict(image_model="hunyuan_video", byt5=False, meanflow=False,
                                                       use_cond_type_embedding=False, vision_in_dim=None)),
+    # HunyuanImage 2.1 (distilled: guidance and meanflow's second timestep), 2D, no pooled vector; the
+    # byt5 glyph tokens join the text after it. Four heads of 64 (detection says width // 128).
+    "hunyuan_image21": TinyFamily("comfy.ldm.hunyuan_video.model.HunyuanVideo",
+                                  dict(FLUX_LIKE, in_channels=64, out_channels=64, vec_in_dim=None,
+                                       context_in_dim=TEXT_DIM, axes_dim=[32, 32], theta=256, patch_size=[1, 1],
+                                       guidance_embed=True),
+                                  HUNYUAN_IMAGE_LATENT, prompt=PROMPT_BYT5,
+                                  constructor_only=dict(image_model="hunyuan_video", byt5=True, meanflow=True,
+                                                        use_cond_type_embedding=False, vision_in_dim=None)),
+    # HunyuanVideo 1.5: latent + concatenated image latent + mask in (65 channels), byt5 and vision
+    # tokens before the text, each with its cond-type embedding. The vision projection is 1152 wide:
+    # that width is how ComfyUI tells 1.5 apart.
+    "hunyuan_video15": TinyFamily("comfy.ldm.hunyuan_video.model.HunyuanVideo",
+                                  HV15_CONFIG, HV15_LATENT, prompt=PROMPT_BYT5, constructor_only=HV15_DETECTED),
+    # The same architecture through ComfyUI's I2V graph (0.3.75's light 1.5 autoencoder cannot encode).
+    "hunyuan_video15_i2v": TinyFamily("comfy.ldm.hunyuan_video.model.HunyuanVideo",
+                                      HV15_CONFIG, HV15_I2V_LATENT, prompt=PROMPT_BYT5, constructor_only=HV15_DETECTED,
+                                      needs="comfy.image_encoders.naf", latent_nodes=HV15_I2V_NODES,
+                                      sampler_inputs={"positive": ["6", 0], "negative": ["6", 1],
+                                                      "latent_image": ["6", 2]}),
     "ltxv": TinyFamily("comfy.ldm.lightricks.model.LTXVModel",
                        dict(in_channels=128, cross_attention_dim=256, attention_head_dim=64, num_attention_heads=4,
                             caption_channels=TEXT_DIM, num_layers=4),
@@ -204,6 +258,16 @@ def write_family_files(base_dir: Path) -> dict[str, Path]:
     write_conditioning_dataset(base_dir, PROMPT, text)
     write_conditioning_dataset(base_dir, PROMPT_POOLED, text, {"pooled_output": torch.randn(1, TEXT_DIM, generator=gen)})
     write_conditioning_dataset(base_dir, PROMPT_MASKED, text, {"attention_mask": torch.ones(1, TEXT_TOKENS, dtype=torch.long)})
+    byt5 = torch.randn(1, BYT5_TOKENS, BYT5_DIM, generator=gen)
+    # pooled_output None, as ComfyUI's Qwen2.5-VL encoder gives it (1.5's model reads the key).
+    write_conditioning_dataset(base_dir, PROMPT_BYT5, text, {"conditioning_byt5small": byt5, "pooled_output": None})
+    for (folder_name, name), state_dict in SIDE_FILES.items():
+        path = Path(base_dir) / "models" / folder_name / name
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made = state_dict()
+            sd, metadata = made if isinstance(made, tuple) else (made, None)
+            save_file(sd, str(path), metadata=metadata)
     return paths
 
 
@@ -233,5 +297,5 @@ def family_prompt(family: str, parallel: dict | None) -> dict:
     prompt["7"] = {"class_type": "KSampler", "inputs": {"model": model, "positive": ["4", 1], "negative": ["5", 0],
                                                         "latent_image": ["6", 0], "seed": 11, "steps": 3, "cfg": 3.0,
                                                         "sampler_name": "euler", "scheduler": "simple",
-                                                        "denoise": spec.denoise}}
+                                                        "denoise": spec.denoise, **spec.sampler_inputs}}
     return prompt

@@ -383,3 +383,33 @@ def write_tiny_wan_files(base_dir: Path, spec: TinyWan = TinyWan(), only=None) -
                                    prompt_embedding(tokens=9, seed=7, text_dim=64),
                                    extra={"pooled_output": pooled})
     return paths
+
+
+# HunyuanVideo 1.5's image inputs. ComfyUI matches a 1.5 transformer by its vision projection's
+# width, 1152 (SigLIP so400m's), so the vision encoder keeps that width: two layers (the encode
+# also returns the penultimate one) of 16 heads and a narrow MLP, over 3 x 3 patches of 16. Its
+# file states that config for the test server's extension (ComfyUI's SigLIP config fixes 27 layers).
+SIGLIP_TINY = {"num_channels": 3, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152, "image_size": 48,
+               "intermediate_size": 64, "model_type": "siglip_vision_model", "num_attention_heads": 16,
+               "num_hidden_layers": 2, "patch_size": 16, "image_mean": [0.5, 0.5, 0.5],
+               "image_std": [0.5, 0.5, 0.5]}
+
+
+def siglip_tiny_state_dict(seed: int = 30) -> tuple[dict, dict]:
+    """A one-layer SigLIP vision encoder of width 1152 that CLIPVisionLoader loads through the
+    test server's extension (``config`` -> ``clip_vision``)."""
+    import comfy.clip_model
+    import comfy.ops
+
+    sd = _random_state_dict(lambda: comfy.clip_model.CLIPVisionModelProjection(
+        SIGLIP_TINY, torch.float32, "cpu", comfy.ops.disable_weight_init), seed, dtype=torch.float32)
+    return stating_config(sd, "clip_vision", SIGLIP_TINY)
+
+
+def taehv_hv15_state_dict(seed: int = 31) -> dict[str, torch.Tensor]:
+    """ComfyUI's light autoencoder for HunyuanVideo 1.5 (TAEHV, 32 latent channels, 16x in space,
+    4x in time; VAELoader detects it from its keys), the one small VAE that encodes 1.5's
+    latents (ComfyUI 0.33 on; 0.3.75's refuses to encode)."""
+    import comfy.taesd.taehv
+
+    return _random_state_dict(lambda: comfy.taesd.taehv.TAEHV(latent_channels=32), seed, dtype=torch.float32)

@@ -1,5 +1,5 @@
-"""HunyuanVideo (``comfy.ldm.hunyuan_video.model.HunyuanVideo``, the class ComfyUI also uses for its
-I2V, 1.5 and HunyuanImage 2.1 variants; the T2V model is what the tests cover).
+"""HunyuanVideo (``comfy.ldm.hunyuan_video.model.HunyuanVideo``, the class ComfyUI also uses for
+HunyuanVideo I2V, HunyuanVideo 1.5 (T2V, I2V, SR distilled) and HunyuanImage 2.1 and its refiner).
 
 - The text first goes through the token refiner (attention over text only): it
   stays whole on every rank. Streams ``img`` and ``txt`` are cut where they enter
@@ -13,6 +13,12 @@ I2V, 1.5 and HunyuanImage 2.1 variants; the T2V model is what the tests cover).
   cuts reference latents off by their absolute length: the image part is gathered at the last
   single block and the text part left local, so the slice yields the whole image and the
   cut is exact (``final_layer``, per token and small, then runs whole on every rank).
+- Side inputs join the text stream before ``double_blocks.0``, so the text split covers them:
+  the byt5 glyph tokens (``txt_byt5`` through ``byt5_in``: after the text for HunyuanImage 2.1,
+  before it for 1.5) and 1.5's vision tokens (``clip_fea`` through ``vision_in``, first), each
+  with its ``cond_type_embedding``. RoPE ids are zero over the whole text part. Concatenated
+  image latents (I2V, refiner, SR) are channels of ``x``; meanflow's second timestep and the
+  guidance are per sample. Under TP ``byt5_in``, ``vision_in`` and ``time_r_in`` are cut too.
 - Not yet: ControlNet residuals (added with the global image length inside the
   single-block loop) and the I2V "guiding frame" modulation (absolute token ranges).
 """
@@ -35,6 +41,13 @@ TOKEN_REFINER = {f"{REFINER_BLOCKS}.self_attn.qkv": Colwise(segments=3), f"{REFI
                  f"{REFINER_BLOCKS}.adaLN_modulation.-1": Colwise(gather=True),
                  **{f"txt_in.{e}.{layer}": spec for e in ("t_embedder", "c_embedder")
                     for layer, spec in (("in_layer", Colwise()), ("out_layer", Rowwise()))}}
+# The side inputs' projections into the residual width, as column/row pairs (the last one of
+# ByT5Mapper, after a second activation, gathered): HunyuanImage 2.1 / 1.5's byt5 glyph mapper
+# (1472 -> 2048 -> 2048 -> hidden), 1.5's vision projection (MLPProj: norm, linear, GELU, linear,
+# norm) and meanflow's second timestep MLP. Optional: only some variants have them.
+SIDE_INPUTS = {"byt5_in.fc1": Colwise(), "byt5_in.fc2": Rowwise(), "byt5_in.fc3": Colwise(gather=True),
+               "vision_in.proj.1": Colwise(), "vision_in.proj.3": Rowwise(),
+               "time_r_in.in_layer": Colwise(), "time_r_in.out_layer": Rowwise()}
 
 
 def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
@@ -60,12 +73,14 @@ def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
             },
             passed=FLUX_BLOCK_ARGS,
         ),
-        notes="HunyuanVideo T2V, reference latents; not ControlNet or the I2V guiding frame.",
+        notes="HunyuanVideo T2V, HunyuanVideo 1.5 (byt5, vision tokens, SR), HunyuanImage 2.1 (byt5 glyph "
+              "tokens, refiner), reference latents; not ControlNet or the I2V guiding frame.",
         # Flux's block classes: the same tensor-parallel layout; the patch embedding (a convolution)
         # stays whole. The text token refiner's blocks are cut like them.
         tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True, embeddings=False,
-                                                    extra=TOKEN_REFINER, extra_divide={REFINER_BLOCKS: ("heads",)},
-                                                    extra_optional=frozenset(TOKEN_REFINER)),
+                                                    extra={**TOKEN_REFINER, **SIDE_INPUTS},
+                                                    extra_divide={REFINER_BLOCKS: ("heads",)},
+                                                    extra_optional=frozenset(TOKEN_REFINER) | frozenset(SIDE_INPUTS)),
     )
 
 

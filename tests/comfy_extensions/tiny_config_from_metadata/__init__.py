@@ -11,6 +11,8 @@ loaders, model classes, tokenizers and samplers then run unchanged:
 - text encoders: ``config`` -> ``text_encoder`` names the encoder (``te_model``, a
   ``comfy.sd.TEModel`` member, for one-file loads) and the ``model_options`` to build it with
   (``<name>_model_config``, which ComfyUI's text encoders already read).
+- vision encoders: ``config`` -> ``clip_vision`` is the encoder's config (ComfyUI's own json
+  configs fix SigLIP at 27 layers of 1152; HunyuanVideo 1.5 needs its 1152-wide features).
 
 Files without that metadata (all real checkpoints but LTXV's) load exactly as before. Never
 shipped with the pack.
@@ -18,12 +20,15 @@ shipped with the pack.
 import json
 import logging
 
+import comfy.clip_vision
 import comfy.model_detection
 import comfy.sd
+import comfy.utils
 
 _stock_detect_unet_config = comfy.model_detection.detect_unet_config
 _stock_load_clip = comfy.sd.load_clip
 _stock_detect_te_model = comfy.sd.detect_te_model
+_stock_load_clip_vision = comfy.clip_vision.load
 
 
 def _stated(metadata, part):
@@ -67,7 +72,18 @@ def load_clip(ckpt_paths, embedding_directory=None, clip_type=comfy.sd.CLIPType.
         comfy.sd.detect_te_model = _stock_detect_te_model
 
 
+def load_clip_vision(ckpt_path):
+    stated = _stated(_file_metadata(ckpt_path), "clip_vision")
+    if not stated:
+        return _stock_load_clip_vision(ckpt_path)
+    logging.info("tiny_config_from_metadata: vision encoder config from the file's metadata: %s", stated)
+    model = comfy.clip_vision.ClipVisionModel(stated)
+    model.load_sd(comfy.utils.load_torch_file(ckpt_path))
+    return model
+
+
 comfy.model_detection.detect_unet_config = detect_unet_config
 comfy.sd.load_clip = load_clip
+comfy.clip_vision.load = load_clip_vision
 
 NODE_CLASS_MAPPINGS = {}
