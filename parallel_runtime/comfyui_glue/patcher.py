@@ -196,9 +196,13 @@ def classic_loading():
     The delegate is built with both switches as ``--disable-dynamic-vram`` leaves them: weights
     in the model's dtype, no raw-pointer state. Prompts run on ComfyUI's one prompt thread,
     which is also the one loading here."""
-    import comfy.memory_management
     import comfy.model_patcher
 
+    try:
+        import comfy.memory_management
+    except ImportError:  # before 0.33: no dynamic VRAM, nothing to switch
+        yield
+        return
     switches = ((comfy.memory_management, "aimdo_enabled", False),
                 (comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher))
     before = [getattr(owner, name, None) for owner, name, _ in switches]
