@@ -2,6 +2,8 @@
 KSampler (CFG 3, so cond and uncond) and SaveLatent, on a tiny file of the family
 (tools/tiny_families.py), under Ulysses 2 and TP 2 against the same graph without Shard
 Transformer, in fp32. TP 2 also reports each rank's weight bytes, measured against the file.
+The Hunyuan cases whose side tokens (byt5 glyphs, vision features) join the text stream also run
+under Ring 2, CFG 2, USP 2x2 and Ulysses 2 x TP 2.
 
 And never silently wrong: a model changed under its plan the way a ComfyUI update changes one
 (tests/comfy_extensions/simulated_comfyui_update) is refused with the family and the release
@@ -84,6 +86,26 @@ def test_four_rank_hybrids(tiny_server, hybrid, family):
     assert err <= TOL
     assert all(mesh[dim] == size for dim, size in (("ulysses", 2), ("ring", parallel.get("ring_size", 1)),
                                                    ("tp", parallel.get("tp_size", 1))))
+
+
+# HunyuanImage 2.1 with byt5 glyph tokens, HunyuanVideo 1.5 T2V and I2V (byt5 and vision tokens
+# join the text stream): the layouts the per-family runs above leave out.
+HUNYUAN_FAMILIES = [f for f in ("hunyuan_image21", "hunyuan_video15", "hunyuan_video15_i2v") if f in FAMILIES]
+MORE_LAYOUTS = {"ring2": {"ring_size": 2}, "cfg2": {"cfg_size": 2},
+                **{name: {**parallel, "devices": "cpu,cpu,cpu,cpu"} for name, parallel in HYBRIDS.items()}}
+
+
+@pytest.mark.parametrize("layout,family", [(layout, f) for layout in MORE_LAYOUTS for f in HUNYUAN_FAMILIES],
+                         ids=[f"{layout}-{f}" for layout in MORE_LAYOUTS for f in HUNYUAN_FAMILIES])
+def test_hunyuan_side_tokens_under_every_layout(tiny_server, layout, family):
+    parallel = MORE_LAYOUTS[layout]
+    ref = reference(tiny_server, family)
+    out = final_latents(tiny_server, family_prompt(family, parallel))
+    err = max_error(out, ref)
+    mesh = status(tiny_server)["mesh"]
+    print(f"\n{family} {layout}: max abs err {err:.2e}")
+    assert err <= TOL
+    assert all(mesh[dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
 
 
 def updated_prompt(family: str, change: str) -> dict:
