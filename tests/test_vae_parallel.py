@@ -1,6 +1,7 @@
 """Patch-parallel VAE decode and encode over 2 and 4 ranks against the untiled decode and
 encode on one process (fp32), for every supported family (KL, HunyuanVideo, HunyuanImage 2.1,
-Wan 2.1 / 2.2, LTX-2), with heights that no world size divides. Rank 0 is this process; the
+HunyuanVideo 1.5 and the HunyuanImage 2.1 refiner (0.33 only), Wan 2.1 / 2.2, LTX-2), with heights
+that no world size divides. Rank 0 is this process; the
 others are worker processes."""
 import copy
 import sys
@@ -13,7 +14,7 @@ from parallel_runtime.parallel import vae_bands as vae_parallel
 from parallel_runtime.plans import find_vae_plan, plan_for_family
 from parallel_runtime.plans.vae import check_vae
 from parallel_runtime.parallel.vae_bands import Bands, ConvRows
-from vae_cases import LTX2_CONFIG, VAES, randomize
+from vae_cases import LTX2_CONFIG, VAES, randomize, refiner_vae
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-5
@@ -229,6 +230,22 @@ def test_unsupported_vaes_are_refused():
     vae.decoder.blur = torch.nn.AvgPool2d(3, stride=1, padding=1)
     with pytest.raises(ValueError, match=r"AvgPool2d"):
         check_vae(vae)
+
+
+def test_hunyuan_video15_plan_and_older_layout():
+    """0.33's HunyuanVideo 1.5 VAE (an AutoencodingEngine like the KL and HunyuanImage 2.1 VAEs) gets
+    its own plan; 0.3.75's vae_refiner (NoPadConv3d, HunyuanRefinerResnetBlock, padding in its
+    own conv_carry_causal_3d) is refused by layer name."""
+    import comfy.ldm.hunyuan_video.vae_refiner as refiner
+
+    config = {"block_out_channels": [8, 16, 32, 32, 32], "in_channels": 3, "out_channels": 3, "num_res_blocks": 1,
+              "ffactor_spatial": 16, "ffactor_temporal": 4, "z_channels": 8}
+    vae = refiner_vae(config, "EmptyRegularizer", 1)
+    if hasattr(refiner, "NoPadConv3d"):
+        with pytest.raises(ValueError, match=r"HunyuanVideo 1\.5 VAE .*plan does not cover .*NoPadConv3d"):
+            check_vae(vae)
+    else:
+        assert check_vae(vae) is plan_for_family("vae_hunyuan_video15")
 
 
 def test_noisy_ltx_decoders_are_refused():

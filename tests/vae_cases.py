@@ -6,7 +6,10 @@ Each case returns ``(module, decode_input, encode_input)``. Heights are 13 laten
 
 Families: KL (SD, SD3 / Flux.1, Flux.2), Wan 2.1, Wan 2.2, the HunyuanVideo VAE, the HunyuanImage
 2.1 32x VAE and the LTX-2 video VAE (their classes exist in 0.3.75 as in 0.33: the HunyuanVideo
-VAE's convs are ``VideoConv3d`` in 0.3.75, ``CarriedConv3d`` with time carries in 0.33).
+VAE's convs are ``VideoConv3d`` in 0.3.75, ``CarriedConv3d`` with time carries in 0.33). The
+HunyuanVideo 1.5 VAE and the HunyuanImage 2.1 refiner's (``hunyuan_video.vae_refiner``) are
+registered only where ComfyUI builds them as 0.33 does (0.3.75's ``vae_refiner`` has other layers,
+which the parallel VAE refuses by name).
 """
 from __future__ import annotations
 
@@ -14,13 +17,17 @@ import math
 
 import torch
 
+from text_encoder_cases import available
+
 VAES = {}
 LATENT_ROWS = 13
 
 
-def vae_case(name):
+def vae_case(name, needs: str | None = None):
+    """Registers a case (only where this ComfyUI has ``needs``, "package.module.attribute")."""
     def register(fn):
-        VAES[name] = fn
+        if available(needs):
+            VAES[name] = fn
         return fn
     return register
 
@@ -140,6 +147,53 @@ def hunyuan_image21():
         encoder_config={"target": "comfy.ldm.hunyuan_video.vae.Encoder", "params": config},
         decoder_config={"target": "comfy.ldm.hunyuan_video.vae.Decoder", "params": config}), 7)
     z, x = _inputs(17, (1, 16, LATENT_ROWS, 3), (1, 3, LATENT_ROWS * 16, 48))
+    return vae, z, x
+
+
+def refiner_vae(config: dict, regularizer: str, seed: int):
+    """``hunyuan_video.vae_refiner``'s Encoder / Decoder in an AutoencodingEngine, as comfy/sd.py builds them."""
+    from comfy.ldm.models.autoencoder import AutoencodingEngine
+
+    refiner = "comfy.ldm.hunyuan_video.vae_refiner"
+    vae = randomize(AutoencodingEngine(
+        regularizer_config={"target": f"comfy.ldm.models.autoencoder.{regularizer}"},
+        encoder_config={"target": f"{refiner}.Encoder", "params": config},
+        decoder_config={"target": f"{refiner}.Decoder", "params": config}), seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():  # RMS norm scales (randomize takes a 4D parameter for a weight)
+        for name, p in sorted(vae.named_parameters()):
+            if name.endswith("gamma"):
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
+    return vae
+
+
+# 0.33's vae_refiner builds its convs from model.py's CarriedConv3d (0.3.75: its own NoPadConv3d).
+REFINER_VAE = "comfy.ldm.hunyuan_video.vae_refiner.CarriedConv3d"
+
+
+@vae_case("hunyuan_video15", needs=REFINER_VAE)
+def hunyuan_video15():
+    """HunyuanVideo 1.5 VAE (``refiner_vae``: replicate-padded CarriedConv3d with time carries, RMS
+    norms), 16x in space and 4x in time as the real one, narrow: 3 latent frames decode to 9 in two
+    time chunks, 13 frames encode to 4 (the first frame alone, then chunks of 8 and 4)."""
+    config = {"block_out_channels": [8, 16, 32, 32, 32], "in_channels": 3, "out_channels": 3, "num_res_blocks": 1,
+              "ffactor_spatial": 16, "ffactor_temporal": 4, "downsample_match_channel": True,
+              "upsample_match_channel": True, "z_channels": 8}
+    vae = refiner_vae(config, "EmptyRegularizer", 9)
+    z, x = _inputs(19, (1, 8, 3, LATENT_ROWS, 3), (1, 3, 13, LATENT_ROWS * 16, 32))
+    return vae, z, x
+
+
+@vae_case("hunyuan_image21_refiner", needs=REFINER_VAE)
+def hunyuan_image21_refiner():
+    """HunyuanImage 2.1 refiner VAE (the same Encoder / Decoder with ``refiner_vae`` off: zero-padded
+    Conv3d, GroupNorm), 16x in space, 4x in time: one latent frame decodes to one (the last of 4),
+    one image frame encodes to one (repeated to 4 first)."""
+    config = {"block_out_channels": [32, 32, 64, 64, 64], "in_channels": 3, "out_channels": 3, "num_res_blocks": 1,
+              "ffactor_spatial": 16, "ffactor_temporal": 4, "downsample_match_channel": True,
+              "upsample_match_channel": True, "refiner_vae": False, "z_channels": 32}
+    vae = refiner_vae(config, "DiagonalGaussianRegularizer", 10)
+    z, x = _inputs(20, (1, 32, 1, LATENT_ROWS, 3), (1, 3, 1, LATENT_ROWS * 16, 32))
     return vae, z, x
 
 

@@ -32,12 +32,13 @@ way for every family):
   ``output_buffer``); the bands decode without it and rank 0 fills it.
 
 A class may have several plans (ComfyUI's ``AutoencoderKL`` is also the
-HunyuanVideo VAE, its ``AutoencodingEngine`` also HunyuanImage 2.1's): the first
-plan that covers every layer of the model is used.
+HunyuanVideo VAE, its ``AutoencodingEngine`` also HunyuanImage 2.1's and HunyuanVideo
+1.5's): the first plan that covers every layer of the model is used.
 
 Families: KL autoencoders (SD, SDXL, SD3, Flux.1, Flux.2), the HunyuanVideo VAE
-(3D ``AutoencoderKL``), the HunyuanImage 2.1 32x VAE, the Wan 2.1 and 2.2 VAEs
-and the LTX-2 video VAE (also LTXV 0.9.0's).
+(3D ``AutoencoderKL``), the HunyuanImage 2.1 32x VAE, the HunyuanVideo 1.5 VAE (also
+the HunyuanImage 2.1 refiner's; ComfyUI 0.33), the Wan 2.1 and 2.2 VAEs and the
+LTX-2 video VAE (also LTXV 0.9.0's).
 
 Classes are named by qualified name. Convs and norms match through the class
 hierarchy (ComfyUI's ``ops.Conv2d`` is a ``torch.nn.Conv2d``); every other
@@ -184,6 +185,10 @@ def _is_video_conv(module) -> bool:
     return type(module).__qualname__ == "VideoConv3d"
 
 
+# ``conv_carry_causal_3d`` pads by replication; a 1x1x1 CarriedConv3d (nin_shortcut) is called directly.
+_CARRIED_CONV = PaddedConv(f"{_KL}.CarriedConv3d", "conv", lambda m: (1, 1) if m.conv.kernel_size[-2] > 1 else (0, 0),
+                           mode=lambda m: "replicate")
+
 HUNYUAN_VIDEO_BANDS = BandPlan(
     convs=TORCH_CONVS,
     group_norms=TORCH_GROUP_NORM,
@@ -192,9 +197,7 @@ HUNYUAN_VIDEO_BANDS = BandPlan(
         _KL_DOWNSAMPLE,
         PaddedConv(f"{_KL}.Downsample", "conv.conv", lambda m: (1, 1) if _is_video_conv(m.conv) else (0, 0),
                    mode=lambda m: "replicate"),
-        # ``conv_carry_causal_3d`` pads; a 1x1x1 CarriedConv3d (nin_shortcut) is called directly.
-        PaddedConv(f"{_KL}.CarriedConv3d", "conv", lambda m: (1, 1) if m.conv.kernel_size[-2] > 1 else (0, 0),
-                   mode=lambda m: "replicate"),
+        _CARRIED_CONV,
         PaddedConv(f"{_KL}.VideoConv3d", "conv", _video_conv_rows, mode=lambda m: m.padding_mode),
     ),
     row_local=(
@@ -244,6 +247,44 @@ HUNYUAN_IMAGE21 = ModelPlan(
     kind="vae",
     vae=HUNYUAN_IMAGE21_BANDS,
     notes="row bands; halo exchange per conv, GroupNorm statistics all-reduced, mid-block attention gathers K/V",
+)
+
+# ---------------------------------------------------------------- HunyuanVideo 1.5 VAE
+# ComfyUI 0.33's ``hunyuan_video.vae_refiner`` Encoder / Decoder in an AutoencodingEngine: the
+# HunyuanVideo 1.5 VAE (``refiner_vae``: CarriedConv3d padded by replication in
+# ``conv_carry_causal_3d``, time carries per rank, per-pixel RMS norms) and the HunyuanImage 2.1
+# refiner's (zero-padded Conv3d, GroupNorm). Levels fold 2x2 pixels (and 2 frames) into channels
+# around a 3x3x3 conv (DnSmpl / UpSmpl); the first frame alone in time, whole in space.
+_HYR = "comfy.ldm.hunyuan_video.vae_refiner"
+
+HUNYUAN_VIDEO15_BANDS = BandPlan(
+    convs=TORCH_CONVS,
+    group_norms=TORCH_GROUP_NORM,
+    attention=(AttentionSite(f"{_KL}.AttnBlock"),),  # over all frames and pixels
+    padded=(
+        _CARRIED_CONV,
+    ),
+    row_local=(
+        *TORCH_ROW_LOCAL,
+        "comfy.ldm.models.autoencoder.AutoencodingEngine", "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer",
+        "comfy.ldm.models.autoencoder.EmptyRegularizer",
+        f"{_HYR}.Encoder", f"{_HYR}.Decoder", f"{_KL}.ResnetBlock",
+        f"{_HYR}.RMS_norm",  # over channels, per pixel
+        f"{_HYR}.DnSmpl", f"{_HYR}.UpSmpl",  # a conv, then 2x2 pixels <-> channels (mean / repeat of the input)
+        "comfy.ops.disable_weight_init.Linear",  # the mid ResnetBlocks' temb_proj, unused (no timestep)
+    ),
+    encode_rows=lambda m: 2 ** sum(hasattr(stage, "downsample") for stage in m.encoder.down),
+)
+
+HUNYUAN_VIDEO15 = ModelPlan(
+    family="vae_hunyuan_video15",
+    title="HunyuanVideo 1.5 VAE (also the HunyuanImage 2.1 refiner's)",
+    classes=("comfy.ldm.models.autoencoder.AutoencodingEngine",),
+    heads_attr="decoder.z_channels",
+    context_parallel=NO_SEQUENCE_SPLIT,
+    kind="vae",
+    vae=HUNYUAN_VIDEO15_BANDS,
+    notes="row bands; replicate padding at the image edges; conv carries per rank; mid-block attention gathers K/V",
 )
 
 # ---------------------------------------------------------------- Wan VAEs
@@ -386,7 +427,7 @@ LTX2 = ModelPlan(
     notes="row bands; causal time caches per rank, one time chunk per band; halo exchange per conv",
 )
 
-PLANS: tuple[ModelPlan, ...] = (KL, HUNYUAN_VIDEO, HUNYUAN_IMAGE21, WAN21, WAN22, LTX2)
+PLANS: tuple[ModelPlan, ...] = (KL, HUNYUAN_VIDEO, HUNYUAN_IMAGE21, HUNYUAN_VIDEO15, WAN21, WAN22, LTX2)
 
 
 # ---------------------------------------------------------------- lookup
@@ -429,7 +470,8 @@ def check_vae(module: torch.nn.Module) -> ModelPlan:
     if not plans:
         raise ValueError(f"parallel VAE: {name} is not supported. Supported VAEs: {supported_vaes_text()}")
     covering = [plan for plan in plans if not unknown_layers(module, plan.vae)]
-    plan = covering[0] if covering else plans[0]
+    # None covers it: name the plan it comes closest to (the fewest layers unknown).
+    plan = covering[0] if covering else min(plans, key=lambda p: len(unknown_layers(module, p.vae)))
     why = plan.vae.refuse(module)
     if why:
         raise ValueError(f"parallel VAE: this {type(module).__name__} is not supported: {why}")
