@@ -11,7 +11,8 @@ A plan names module paths (glob patterns per dotted segment over
   names them as ``segments``.
 - ``outputs``: module outputs gathered back to full streams.
 - ``attention``: modules whose attention calls are context-parallel, with the
-  order in which the model concatenates the streams there. Attention anywhere
+  order in which the model concatenates the streams there (or, for a cross-stream
+  site, the query streams and the key/value streams apart). Attention anywhere
   else (cross-attention to the text) stays local: each rank attends its query
   shard to the full keys.
 
@@ -98,7 +99,10 @@ TESTED_RELEASES = ("0.3.75", "0.33.0")
 class ContextParallelPlan:
     inputs: dict[str, tuple[Split, ...]]
     outputs: dict[str, Gather]
-    attention: dict[str, tuple[str, ...]]  # module pattern -> streams in the order the model joins them
+    # Module pattern -> the streams in the order the model joins them (a joint self-attention), or
+    # a pair ``((query streams), (key/value streams))``: queries from one split stream attending to
+    # keys and values of another (LTX-2's audio-to-video and video-to-audio attention).
+    attention: dict[str, "tuple[str, ...] | tuple[tuple[str, ...], tuple[str, ...]]"]
     # Arguments of the model's forward cut once their stream exists (tensors nested in
     # dicts and lists too, e.g. ControlNet residuals); the model reads them later.
     call_inputs: tuple[Split, ...] = ()

@@ -24,6 +24,7 @@ from ..distributed import comm
 from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout.auto import calibrate
 from ..parallel import arguments, compile_regions
+from ..parallel.cfg import batch_of
 from ..parallel.context_parallel import check_supported_arguments
 from ..parallel.execution import run_sharded
 from ..plans import ModelPlan
@@ -213,8 +214,7 @@ class Dispatch:
     def _note_idle_cfg(self, layout: MeshLayout, bound) -> None:
         """A cfg dimension with nothing to split (CFG 1, or cond and uncond run apart) is said in the status."""
         cfg = layout.size("cfg")
-        first = next(iter(bound.arguments.values()), None)
-        batch = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
+        batch = batch_of(next(iter(bound.arguments.values()), None))  # the rule the cfg split itself uses
         if cfg > 1 and batch % cfg:
             note = (f"cfg_size {cfg} has nothing to split: the model runs with a batch of {batch} (CFG 1, or "
                     f"ComfyUI running cond and uncond apart), so the {cfg} cfg groups compute the same thing; "
