@@ -57,56 +57,9 @@ def measure_shape(module: torch.nn.Module, plan: ModelPlan, method, args: tuple,
     runs once per sample, such as a modulation, costs the same on every rank; one that runs per
     token is cut by the sequence ranks). Blocks of one stack are alike, so one stands for all."""
     cp = plan.context_parallel
-    streams: dict[str, tuple[torch.Size, int, torch.dtype]] = {}
-    split_layers = {id(mod) for _, mod, spec in layer_specs(module, plan.tensor_parallel)
-                    if not isinstance(spec, Norm)} if plan.tensor_parallel is not None else set()
     stacks = [(pattern, matching_modules(module, pattern)) for pattern in region_patterns(plan)]
     stacks = [(pattern, found) for pattern, found in stacks if found]
-    calls: dict[str, list[_LinearCall]] = {pattern: [] for pattern, _ in stacks}
-    done: set[str] = set()
-
-    def recorder(specs):
-        def record(value, spec):
-            if spec.starts_stream and spec.stream not in streams:
-                on_item(value, spec.item, lambda t: streams.setdefault(spec.stream, (t.shape, spec.dim, t.dtype)))
-            return None  # nothing is replaced
-
-        return lambda mod, a, kw: replace_arguments(mod, a, kw, specs, record)
-
-    def linear_hook(pattern):
-        def hook(mod, a):
-            if pattern not in done and a and isinstance(a[0], torch.Tensor):
-                calls[pattern].append(_LinearCall(a[0].numel() // mod.in_features, mod.in_features * mod.out_features,
-                                                  id(mod) in split_layers))
-        return hook
-
-    def block_done(pattern):
-        def hook(mod, a, out):
-            done.add(pattern)
-            if len(done) == len(stacks):
-                raise _Enough
-        return hook
-
-    handles = []
-    try:
-        for pattern, specs in cp.inputs.items():
-            if any(s.starts_stream for s in specs):
-                for _, mod in matching_modules(module, pattern):
-                    handles.append(scoped_hooks.pre_hook(mod, recorder(specs), with_kwargs=True))
-        for pattern, found in stacks:
-            first = found[0][1]
-            for mod in first.modules():
-                if isinstance(mod, torch.nn.Linear):
-                    handles.append(scoped_hooks.pre_hook(mod, linear_hook(pattern)))
-            handles.append(scoped_hooks.post_hook(first, block_done(pattern)))
-        try:
-            with torch.inference_mode():
-                method(*args, **kwargs)
-        except _Enough:
-            pass
-    finally:
-        for h in handles:
-            h.remove()
+    streams, calls = _run_to_first_blocks(module, plan, stacks, method, args, kwargs)
     if not streams:
         raise RuntimeError(f"layout auto: the {plan.title} model reached no token stream of its plan; set the "
                            "layout by hand (layout: manual)")
@@ -136,6 +89,61 @@ def measure_shape(module: torch.nn.Module, plan: ModelPlan, method, args: tuple,
         element_bytes=torch.empty((), dtype=dtype).element_size(),
         input_bytes=sum(t.numel() * t.element_size() for t in tensors),
         output_bytes=tensors[0].numel() * tensors[0].element_size() if tensors else 0)
+
+
+def _run_to_first_blocks(module, plan: ModelPlan, stacks, method, args, kwargs):
+    """Run ``method`` until the first block of every stack has run (then stop it): the token
+    streams where they start (stream -> (shape, token dim, dtype)) and each first block's matmuls
+    (stack pattern -> its ``_LinearCall`` list)."""
+    streams: dict[str, tuple[torch.Size, int, torch.dtype]] = {}
+    split_layers = {id(mod) for _, mod, spec in layer_specs(module, plan.tensor_parallel)
+                    if not isinstance(spec, Norm)} if plan.tensor_parallel is not None else set()
+    calls: dict[str, list[_LinearCall]] = {pattern: [] for pattern, _ in stacks}
+    done: set[str] = set()
+
+    def recorder(specs):
+        def record(value, spec):
+            if spec.starts_stream and spec.stream not in streams:
+                on_item(value, spec.item, lambda t: streams.setdefault(spec.stream, (t.shape, spec.dim, t.dtype)))
+            return None  # nothing is replaced
+
+        return lambda mod, a, kw: replace_arguments(mod, a, kw, specs, record)
+
+    def linear_hook(pattern):
+        def hook(mod, a):
+            if pattern not in done and a and isinstance(a[0], torch.Tensor):
+                calls[pattern].append(_LinearCall(a[0].numel() // mod.in_features, mod.in_features * mod.out_features,
+                                                  id(mod) in split_layers))
+        return hook
+
+    def block_done(pattern):
+        def hook(mod, a, out):
+            done.add(pattern)
+            if len(done) == len(stacks):
+                raise _Enough
+        return hook
+
+    handles = []
+    try:
+        for pattern, specs in plan.context_parallel.inputs.items():
+            if any(s.starts_stream for s in specs):
+                for _, mod in matching_modules(module, pattern):
+                    handles.append(scoped_hooks.pre_hook(mod, recorder(specs), with_kwargs=True))
+        for pattern, found in stacks:
+            first = found[0][1]
+            for mod in first.modules():
+                if isinstance(mod, torch.nn.Linear):
+                    handles.append(scoped_hooks.pre_hook(mod, linear_hook(pattern)))
+            handles.append(scoped_hooks.post_hook(first, block_done(pattern)))
+        try:
+            with torch.inference_mode():
+                method(*args, **kwargs)
+        except _Enough:
+            pass
+    finally:
+        for h in handles:
+            h.remove()
+    return streams, calls
 
 
 def calibrate(run: dict, layouts: list[dict[str, int]], device: torch.device) -> dict:
