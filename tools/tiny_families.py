@@ -66,6 +66,17 @@ HV15_I2V_NODES = {
     "22": {"class_type": "CLIPVisionEncode", "inputs": {"clip_vision": ["20", 0], "image": ["21", 0], "crop": "center"}},
     "23": {"class_type": "VAELoader", "inputs": {"vae_name": HV15_VAE_FILE}},
 }
+# The refiner and 1.5's SR model sample a latent given to them, concatenated to the noise (with
+# seeded noise augmentation) by the stock node that sets it on the conditioning; a 1.5-sized empty
+# latent stands in for the one to refine or upscale (the refiner: one frame of 9 x 11 = 99 tokens).
+CONDITIONED_LATENT = {"positive": ["6", 0], "negative": ["6", 1], "latent_image": ["6", 2]}
+REFINER_LATENT = {"class_type": "HunyuanRefinerLatent", "inputs": {
+    "positive": ["4", 1], "negative": ["5", 0], "latent": ["24", 0], "noise_augmentation": 0.1}}
+REFINER_NODES = {"24": {"class_type": "EmptyHunyuanVideo15Latent",
+                        "inputs": {"width": 176, "height": 144, "length": 1, "batch_size": 1}}}
+HV15_SR_LATENT = {"class_type": "HunyuanVideo15SuperResolution", "inputs": {
+    "positive": ["4", 1], "negative": ["5", 0], "latent": ["24", 0], "noise_augmentation": 0.7}}
+HV15_SR_NODES = {"24": HV15_LATENT}
 
 
 @dataclass(frozen=True)
@@ -147,8 +158,21 @@ ALL_FAMILIES = {
     "hunyuan_video15_i2v": TinyFamily("comfy.ldm.hunyuan_video.model.HunyuanVideo",
                                       HV15_CONFIG, HV15_I2V_LATENT, prompt=PROMPT_BYT5, constructor_only=HV15_DETECTED,
                                       needs="comfy.image_encoders.naf", latent_nodes=HV15_I2V_NODES,
-                                      sampler_inputs={"positive": ["6", 0], "negative": ["6", 1],
-                                                      "latent_image": ["6", 2]}),
+                                      sampler_inputs=CONDITIONED_LATENT),
+    # The HunyuanImage 2.1 refiner: 3D patches over its latent (two 32-channel frames packed into 64
+    # channels), the latent to refine concatenated (128 in); meanflow's time_r_in is present but
+    # ComfyUI disables it for the refiner. No byt5.
+    "hunyuan_image21_refiner": TinyFamily("comfy.ldm.hunyuan_video.model.HunyuanVideo",
+                                          dict(HV15_CONFIG, in_channels=128, out_channels=64, guidance_embed=True),
+                                          REFINER_LATENT, latent_nodes=REFINER_NODES, sampler_inputs=CONDITIONED_LATENT,
+                                          constructor_only=dict(HV15_DETECTED, byt5=False, meanflow=True,
+                                                                use_cond_type_embedding=False, vision_in_dim=None)),
+    # 1.5's SR-distilled model: latent + 66 conditioning channels (98 in, how ComfyUI tells it apart),
+    # meanflow's second timestep enabled (summed, as detection sets for 1.5).
+    "hunyuan_video15_sr": TinyFamily("comfy.ldm.hunyuan_video.model.HunyuanVideo",
+                                     dict(HV15_CONFIG, in_channels=98), HV15_SR_LATENT, prompt=PROMPT_BYT5,
+                                     latent_nodes=HV15_SR_NODES, sampler_inputs=CONDITIONED_LATENT,
+                                     constructor_only=dict(HV15_DETECTED, meanflow=True)),
     "ltxv": TinyFamily("comfy.ldm.lightricks.model.LTXVModel",
                        dict(in_channels=128, cross_attention_dim=256, attention_head_dim=64, num_attention_heads=4,
                             caption_channels=TEXT_DIM, num_layers=4),
