@@ -119,11 +119,34 @@ def ltxav_t2v_audio():
     return ltxav_inputs(ltxav_model(), 13, seed=161)
 
 
-@ltxav_case("ltxav_denoise_mask")
-def ltxav_denoise_mask():
-    """Image-to-video gives a denoise mask (per-token video timesteps): refused by name."""
-    model, args, kwargs = ltxav_inputs(ltxav_model(), 9, seed=165)
-    return model, args, {**kwargs, "denoise_mask": torch.ones(2, 1, 3, 5, 7)}
+def with_denoise_masks(model, args, kwargs, video_mask, audio_mask=None):
+    """The call ComfyUI's LTXAV.process_timestep makes of a denoise mask: per-token timesteps for
+    the video (per frame in the model's CompressedTimestep) and, with an audio mask, the audio."""
+    x, (t, _), context, attention_mask = args
+    v_t = model.patchifier.patchify((video_mask * t.view(-1, 1, 1, 1, 1))[:, :1])[0]
+    a_t = t if audio_mask is None else model.a_patchifier.patchify(
+        (audio_mask * t.view(-1, 1, 1, 1))[:, :1, :, :1])[0]
+    extra = {"denoise_mask": video_mask} | ({} if audio_mask is None else {"audio_denoise_mask": audio_mask})
+    return model, (x, (v_t, a_t), context, attention_mask), {**kwargs, **extra}
+
+
+@ltxav_case("ltxav_image_to_video")
+def ltxav_image_to_video():
+    """LTXVImgToVideo(Inplace): the first latent frame kept (mask 0), the rest denoised (per frame,
+    so the model compresses the video timesteps per frame, 35 tokens each)."""
+    mask = torch.ones(2, 1, 3, 5, 7)
+    mask[:, :, 0] = 0.0
+    return with_denoise_masks(*ltxav_inputs(ltxav_model(), 9, seed=165), mask)
+
+
+@ltxav_case("ltxav_inpaint_audio_mask")
+def ltxav_inpaint_audio_mask():
+    """A spatial video mask (per-token timesteps, not compressible per frame) and an audio mask
+    keeping the first four audio frames."""
+    video = (randn(2, 1, 3, 5, 7, seed=166) > 0).float()
+    audio = torch.ones(2, 8, 11, 16)
+    audio[:, :, :4] = 0.0
+    return with_denoise_masks(*ltxav_inputs(ltxav_model(), 11, seed=167), video, audio)
 
 
 @pytest.fixture(scope="module", params=list(LTXAV_MESHES) if LTXAV_CASES else [])

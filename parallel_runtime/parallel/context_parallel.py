@@ -43,6 +43,7 @@ class ForwardContext:
         self.streams: dict[str, SeqShard] = {}
         self.cp_sites: list[tuple[str, ...]] = []  # stack of the attention sites being executed
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._converted: dict[int, tuple[object, object]] = {}  # Split.convert's results, once per object
         self._layouts: dict[tuple[str, ...], JointLayout] = {}
         self._pending: list[tuple[object, Split]] = []  # (container, spec) waiting for their stream
 
@@ -111,6 +112,13 @@ class ForwardContext:
                 return out
         self._memo[id(t)] = (t, out)  # side inputs recur at every block: cut them once
         return out
+
+    def convert(self, value, convert):
+        """``convert(value)`` (``Split.convert``), once per object: side inputs recur at every block."""
+        memo = self._converted.get(id(value))
+        if memo is None or memo[0] is not value:
+            memo = self._converted[id(value)] = (value, convert(value))
+        return memo[1]
 
     def gather(self, t: torch.Tensor, spec: Gather) -> torch.Tensor:
         group = self.sp_group
@@ -232,6 +240,8 @@ def _guard_hook(plan: "ModelPlan", known: frozenset[str], site: str):
 
 def _split_hook(ctx: ForwardContext, splits: tuple[Split, ...], site: str):
     def cut(value, spec):
+        if spec.convert is not None and value is not None and not isinstance(value, (torch.Tensor, tuple)):
+            value = ctx.convert(value, spec.convert)
         return on_item(value, spec.item, lambda t: ctx.split(t, spec, site))
 
     def hook(module, args, kwargs):

@@ -62,7 +62,11 @@ class Split:
     it); each rank gets the part inside its chunk, unpadded when N < total. ``item``: the
     input is a tuple and its element ``item`` is cut (LTXV's RoPE became ``(matrix, split)`` in
     ComfyUI 0.33). A spec with ``item`` applies only to a tuple, one without only to a tensor,
-    so a plan can name both forms where ComfyUI releases differ.
+    so a plan can name both forms where ComfyUI releases differ. ``convert``: the input may arrive
+    as an object a token split cannot cut (LTX-2 keeps per-token timesteps per frame in a
+    ``CompressedTimestep``); ``convert(value)`` returns the tensor the module accepts in its place,
+    full length along ``dim``, which is then cut like any other (a value it returns unchanged is
+    passed on as it came).
     """
 
     arg: str
@@ -74,6 +78,7 @@ class Split:
     when_full_length: bool = False
     prefix: bool = False
     item: int | None = None
+    convert: Callable[[object], object] | None = None
 
 
 @dataclass(frozen=True)

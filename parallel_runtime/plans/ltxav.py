@@ -13,9 +13,12 @@ audio token stream beside the video one, and attention between the two.
   exact under Ulysses and Ring for any two lengths.
 - The video is gathered at the last block (its output modulation is not a module), the audio
   where it enters ``audio_norm_out``.
-- Refused by name before any rank works: what gives the video one timestep per token (a denoise
-  mask: image-to-video, keyframes; the model keeps those per frame in a ``CompressedTimestep``
-  that a token split cannot follow yet), keyframe and guide tokens (absolute token ranges and a
+- A denoise mask (image-to-video, inpainting; ``audio_denoise_mask`` for the audio) gives each
+  stream one timestep per token. The audio's arrive as ``[B, N, ...]`` tensors and are cut; the
+  video's as ``CompressedTimestep`` objects (one row per frame, or per token for a spatial mask)
+  that a token split cannot cut: the plan declares them ``convert``-ed to the per-token tensor
+  the block accepts in their place (same additions, bit for bit), then cut.
+- Refused by name before any rank works: keyframe and guide tokens (absolute token ranges and a
   guide attention mask), and the ID-LoRA reference audio (tokens prepended to the audio and cut
   off again by their absolute count).
 
@@ -57,21 +60,26 @@ TENSOR_PARALLEL = TensorParallelPlan(
     inputs={attn: ROPE_HEADS for attn in SELF_ATTENTION + AV_ATTENTION},
 )
 
-# Per-token side inputs of a block: RoPE tuples of each stream, the audio's modulation tensors
-# ([B, 1, ...] broadcast, [B, N, ...] per token). The video's modulation arrives as
-# CompressedTimestep objects, one row for all tokens while no denoise mask is given.
+
+def per_token(value):
+    """A ``CompressedTimestep`` (per-frame rows, or one row for every token) as the ``[B, tokens
+    or 1, D]`` tensor its ``expand()`` gives. The block's ``get_ada_values`` takes that tensor in
+    its place and adds the same table to the same rows, so the values are bit for bit the same."""
+    return value.expand() if type(value).__name__ == "CompressedTimestep" else value
+
+
+# Per-token side inputs of a block: RoPE tuples of each stream and the modulation of each stream
+# ([B, 1, ...] broadcast, [B, N, ...] per token: a denoise mask). The video's modulation arrives as
+# CompressedTimestep objects: expanded per token, then cut.
+VIDEO_TIMESTEPS = ("v_timestep", "v_cross_scale_shift_timestep", "v_cross_gate_timestep")
 BLOCK_INPUTS = (
     Split("v_pe", dim=1, item=0, stream=VIDEO), Split("v_cross_pe", dim=1, item=0, stream=VIDEO),
     Split("a_pe", dim=1, item=0, stream=AUDIO), Split("a_cross_pe", dim=1, item=0, stream=AUDIO),
     Split("a_timestep", dim=1, stream=AUDIO), Split("a_cross_scale_shift_timestep", dim=1, stream=AUDIO),
     Split("a_cross_gate_timestep", dim=1, stream=AUDIO),
-)
+) + tuple(Split(arg, dim=1, stream=VIDEO, convert=per_token) for arg in VIDEO_TIMESTEPS)
 
-PER_TOKEN_VIDEO = ("gives the video one timestep per token (image-to-video, keyframes, inpainting), which the "
-                   "model keeps per frame in a CompressedTimestep that the token split cannot cut yet")
 UNSUPPORTED = {
-    "denoise_mask": PER_TOKEN_VIDEO,
-    "audio_denoise_mask": "comes with the video's denoise mask (per-token timesteps for both streams)",
     "keyframe_idxs": "keyframe guide tokens are placed and dropped by absolute token ranges",
     "guide_attention_entries": "the guide attention mask addresses absolute token ranges of the video",
     "generated_keyframes": "keyframe slots address absolute token ranges of the video",
@@ -96,11 +104,11 @@ PLAN = ModelPlan(
                    "transformer_blocks.*.video_to_audio_attn": ((AUDIO,), (VIDEO,))},
         unsupported=UNSUPPORTED,
         # Not self_attention_mask (the guide attention mask): refused when it carries a value.
-        passed=frozenset({"x", "v_context", "a_context", "attention_mask", "v_timestep",
-                          "v_cross_scale_shift_timestep", "v_cross_gate_timestep", "v_prompt_timestep",
+        passed=frozenset({"x", "v_context", "a_context", "attention_mask", "v_prompt_timestep",
                           "a_prompt_timestep", "context", "pe", "k_pe", "mask", "input"}),
     ),
-    notes="T2V with audio; not image-to-video, keyframes, guides or reference audio (refused by name).",
+    notes="T2V with audio, image-to-video and denoise masks on either stream; not keyframes, guides or "
+          "reference audio (refused by name).",
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
 )
