@@ -3,7 +3,9 @@
 
 Sockets, types and widget order come from a live ComfyUI's /object_info, so the
 files match what the front end itself would save. Run it (through
-``tools/run.sh python tools/build_example_workflows.py``) after changing a graph.
+``tools/run.sh python tools/build_example_workflows.py [NAME.json ...]``: all, or the named ones)
+after changing a graph. The LTX-2 and HunyuanVideo 1.5 examples use nodes ComfyUI 0.3.75 lacks:
+build them on the 0.33 host (``PARALLEL_COMFYUI_VERSION=0.33.0``).
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ class Graph:
         for name, spec in _input_order(info):
             if _is_widget(spec):
                 default = spec[1].get("default") if len(spec) > 1 and isinstance(spec[1], dict) else None
-                if default is None and isinstance(spec[0], list) and spec[0]:
-                    default = spec[0][0]
+                options = spec[0] if isinstance(spec[0], list) else (spec[1].get("options") if len(spec) > 1 else None)
+                if default is None and options:
+                    default = options[0]  # a combo: the first choice, as the front end shows it
                 values.append(widgets.pop(name, default))
                 if len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("control_after_generate"):
                     values.append("fixed")
@@ -340,6 +343,127 @@ def qwen_image(info: dict) -> dict:
     return g.to_json()
 
 
+LTX2_NOTE = """LTX-2 19B text-to-video with sound on 4 GPUs: Ulysses 2 x tensor parallel 2, Gemma sharded, Shard VAE.
+
+The graph is ComfyUI's LTX-2 T2V template (its first stage, at full size): one latent holds the video
+and the audio (LTXVConcatAVLatent), one sampler denoises both, LTXVSeparateAVLatent splits them for
+the video VAE and the audio VAE. tp_size 2 gives each GPU of a pair half of every large layer of the
+transformer; ulysses_size 2 splits the video and the audio tokens between the two pairs. Shard Text
+Encoder splits Gemma 3 12B over all 4 GPUs; Shard VAE decodes the video in 4 bands of rows, exactly
+(so VAE Decode, not the template's tiled decode). Frame rate: the same in all three places.
+Video and sound are saved as two files (Create Video + Save Video mux them, as in the template).
+
+Models (official names, ComfyUI's LTX-2 template and Comfy-Org/ltx-2):
+  checkpoints/ltx-2-19b-dev-fp8.safetensors    (Lightricks/LTX-2: transformer, video VAE, audio VAE,
+                                                the text projection; or ltx-2-19b-dev.safetensors)
+  text_encoders/gemma_3_12B_it.safetensors     (Comfy-Org/ltx-2 split_files; the template loads the
+                                                smaller gemma_3_12B_it_fp4_mixed.safetensors)"""
+
+HV15_NOTE = """HunyuanVideo 1.5 text-to-video 720p on 2 GPUs: Ulysses 2 and Shard VAE.
+
+The graph is ComfyUI's HunyuanVideo 1.5 720p T2V template (without its optional EasyCache and 1080p
+super-resolution stage). ulysses_size 2 splits the video tokens over the two GPUs (16 heads: 1, 2, 4,
+8 or 16 fit); each GPU holds the whole transformer. cfg_size 2 is the other exact choice at CFG 6.
+Shard VAE decodes the video in 2 bands of rows, the same result as the untiled single-GPU decode
+(this VAE from ComfyUI 0.33 on; older releases build it from other layers, which Shard VAE refuses).
+
+Models (official ComfyUI repackage, Comfy-Org/HunyuanVideo_1.5_repackaged):
+  diffusion_models/hunyuanvideo1.5_720p_t2v_fp16.safetensors
+  text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors
+  text_encoders/byt5_small_glyphxl_fp16.safetensors
+  vae/hunyuanvideo15_vae_fp16.safetensors"""
+
+
+def _ltx2_prompt_nodes(g: Graph) -> None:
+    """Gemma through Shard Text Encoder, both prompts, LTXVConditioning (nodes 4-8)."""
+    g.add(4, "LTXAVTextEncoderLoader", {"text_encoder": "gemma_3_12B_it.safetensors",
+                                        "ckpt_name": "ltx-2-19b-dev-fp8.safetensors", "device": "default"},
+          col=0, row=2)
+    g.add(5, "ShardTextEncoder", col=1, row=2)
+    g.add(6, "CLIPTextEncode", {"text": "A lighthouse keeper climbs a spiral staircase during a storm, rain lashing "
+                                        "the windows, thunder rolling, the old iron steps creaking under his boots."},
+          col=2, row=2, title="Positive", size=(400, 160))
+    g.add(7, "CLIPTextEncode", {"text": "blurry, low quality, still frame, frames, watermark, overlay, titles, "
+                                        "has blurbox, has subtitles"}, col=2, row=3, title="Negative", size=(400, 160))
+    g.add(8, "LTXVConditioning", {"frame_rate": 24.0}, col=3, row=2)
+
+
+def ltx2_t2v(info: dict) -> dict:
+    g = Graph(info)
+    g.add(1, "CheckpointLoaderSimple", {"ckpt_name": "ltx-2-19b-dev-fp8.safetensors"}, col=0, row=0)
+    g.add(2, "ParallelConfig", {"ulysses_size": 2, "tp_size": 2}, col=0, row=1, size=(320, 260))
+    g.add(3, "ShardTransformer", col=1, row=0)
+    _ltx2_prompt_nodes(g)
+    g.add(9, "CFGGuider", {"cfg": 4.0}, col=4, row=1)
+    g.add(10, "EmptyLTXVLatentVideo", {"width": 1280, "height": 704, "length": 121, "batch_size": 1}, col=1, row=4)
+    g.add(11, "LTXVAudioVAELoader", {"ckpt_name": "ltx-2-19b-dev-fp8.safetensors"}, col=0, row=5)
+    g.add(12, "PrimitiveFloat", {"value": 24.0}, col=0, row=4, title="Frame rate")
+    g.add(13, "LTXVEmptyLatentAudio", {"frames_number": 121, "batch_size": 1}, col=1, row=5)
+    g.add(14, "LTXVConcatAVLatent", col=2, row=4)
+    g.add(15, "LTXVScheduler", {"steps": 20, "max_shift": 2.05, "base_shift": 0.95, "stretch": True, "terminal": 0.1},
+          col=3, row=4)
+    g.add(16, "RandomNoise", {"noise_seed": 42}, col=3, row=0)
+    g.add(17, "KSamplerSelect", {"sampler_name": "euler_ancestral"}, col=4, row=0)
+    g.add(18, "SamplerCustomAdvanced", col=5, row=0, size=(320, 200))
+    g.add(19, "LTXVSeparateAVLatent", col=6, row=0)
+    g.add(20, "ShardVAE", col=5, row=2)
+    g.add(21, "VAEDecode", col=7, row=0)
+    g.add(22, "LTXVAudioVAEDecode", col=7, row=1)
+    g.add(23, "SaveAnimatedWEBP", {"filename_prefix": "ltx2_t2v_ulysses2_tp2", "fps": 24.0}, col=8, row=0,
+          size=(360, 360))
+    g.add(24, "SaveAudio", {"filename_prefix": "audio/ltx2_t2v_ulysses2_tp2"}, col=8, row=2)
+    g.add(25, "Note", {"text": LTX2_NOTE}, col=0, row=6, size=(760, 320))
+    for a, slot, b, name in ((1, 0, 3, "model"), (2, 0, 3, "parallel_config"), (4, 0, 5, "clip"),
+                             (2, 0, 5, "parallel_config"), (5, 0, 6, "clip"), (5, 0, 7, "clip"), (6, 0, 8, "positive"),
+                             (7, 0, 8, "negative"), (3, 0, 9, "model"), (8, 0, 9, "positive"), (8, 1, 9, "negative"),
+                             (12, 0, 13, "frame_rate"), (11, 0, 13, "audio_vae"), (10, 0, 14, "video_latent"),
+                             (13, 0, 14, "audio_latent"), (14, 0, 15, "latent"), (16, 0, 18, "noise"),
+                             (9, 0, 18, "guider"), (17, 0, 18, "sampler"), (15, 0, 18, "sigmas"),
+                             (14, 0, 18, "latent_image"), (18, 0, 19, "av_latent"), (1, 2, 20, "vae"),
+                             (2, 0, 20, "parallel_config"), (19, 0, 21, "samples"), (20, 0, 21, "vae"),
+                             (19, 1, 22, "samples"), (11, 0, 22, "audio_vae"), (21, 0, 23, "images"),
+                             (22, 0, 24, "audio")):
+        g.connect(a, slot, b, name)
+    return g.to_json()
+
+
+def hunyuan_video15_t2v(info: dict) -> dict:
+    g = Graph(info)
+    g.add(1, "UNETLoader", {"unet_name": "hunyuanvideo1.5_720p_t2v_fp16.safetensors", "weight_dtype": "default"},
+          col=0, row=0)
+    g.add(2, "ModelSamplingSD3", {"shift": 7.0}, col=1, row=0)
+    g.add(3, "ParallelConfig", {"ulysses_size": 2}, col=1, row=1, size=(320, 260))
+    g.add(4, "ShardTransformer", col=2, row=0)
+    g.add(5, "DualCLIPLoader", {"clip_name1": "qwen_2.5_vl_7b_fp8_scaled.safetensors",
+                                "clip_name2": "byt5_small_glyphxl_fp16.safetensors", "type": "hunyuan_video_15",
+                                "device": "default"}, col=0, row=2)
+    g.add(6, "CLIPTextEncode", {"text": "A paper airplane released from the top of a skyscraper glides through the "
+                                        "city, over traffic and between buildings; the camera follows it."},
+          col=1, row=2, title="Positive", size=(400, 160))
+    g.add(7, "CLIPTextEncode", {"text": ""}, col=1, row=3, title="Negative", size=(400, 160))
+    g.add(8, "CFGGuider", {"cfg": 6.0}, col=3, row=1)
+    g.add(9, "BasicScheduler", {"scheduler": "simple", "steps": 20, "denoise": 1.0}, col=3, row=2)
+    g.add(10, "RandomNoise", {"noise_seed": 42}, col=3, row=0)
+    g.add(11, "KSamplerSelect", {"sampler_name": "euler"}, col=3, row=3)
+    g.add(12, "EmptyHunyuanVideo15Latent", {"width": 1280, "height": 720, "length": 121, "batch_size": 1},
+          col=2, row=3)
+    g.add(13, "SamplerCustomAdvanced", col=4, row=0, size=(320, 200))
+    g.add(14, "VAELoader", {"vae_name": "hunyuanvideo15_vae_fp16.safetensors"}, col=4, row=2)
+    g.add(15, "ShardVAE", col=4, row=3)
+    g.add(16, "VAEDecode", col=5, row=0)
+    g.add(17, "SaveAnimatedWEBP", {"filename_prefix": "hunyuan_video15_t2v_ulysses2", "fps": 24.0}, col=6, row=0,
+          size=(360, 360))
+    g.add(18, "Note", {"text": HV15_NOTE}, col=0, row=4, size=(700, 240))
+    for a, slot, b, name in ((1, 0, 2, "model"), (2, 0, 4, "model"), (3, 0, 4, "parallel_config"), (5, 0, 6, "clip"),
+                             (5, 0, 7, "clip"), (4, 0, 8, "model"), (6, 0, 8, "positive"), (7, 0, 8, "negative"),
+                             (4, 0, 9, "model"), (10, 0, 13, "noise"), (8, 0, 13, "guider"), (11, 0, 13, "sampler"),
+                             (9, 0, 13, "sigmas"), (12, 0, 13, "latent_image"), (14, 0, 15, "vae"),
+                             (3, 0, 15, "parallel_config"), (13, 0, 16, "samples"), (15, 0, 16, "vae"),
+                             (16, 0, 17, "images")):
+        g.connect(a, slot, b, name)
+    return g.to_json()
+
+
 WORKFLOWS = {
     "tiny_wan_ulysses2_demo.json": tiny_wan,
     "wan21_t2v_ulysses2.json": wan21_t2v,
@@ -347,18 +471,26 @@ WORKFLOWS = {
     "flux2_dev_ulysses2_tp2_text_encoder.json": flux2_dev,
     "wan22_t2v_14B_cp_shard_vae.json": wan22_t2v,
     "qwen_image_tp2.json": qwen_image,
+    # Nodes of ComfyUI 0.33 (LTX-2's audio + video latents, HunyuanVideo 1.5): built from its /object_info.
+    "ltx2_t2v_audio_ulysses2_tp2_shard_te_vae.json": ltx2_t2v,
+    "hunyuan_video15_t2v_ulysses2_shard_vae.json": hunyuan_video15_t2v,
 }
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(WORKFLOWS))
+    if unknown:
+        raise SystemExit(f"no such example: {', '.join(unknown)} (known: {', '.join(WORKFLOWS)})")
     root = comfyui_path("run python3 tools/host.py first")
     with tempfile.TemporaryDirectory() as tmp, ComfyServer(root, tmp) as server:
         info = server.object_info()
     OUT.mkdir(exist_ok=True)
     for name, build in WORKFLOWS.items():
+        if names and name not in names:
+            continue
         (OUT / name).write_text(json.dumps(build(info), indent=1) + "\n")
         print("wrote", OUT / name)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
