@@ -63,8 +63,9 @@ class ShardVAENode(io.ComfyNode):
             category="parallel",
             description="Decodes and encodes on every rank of the Parallel Config, each rank a band of rows, with "
                         "the exact untiled result (halo exchange, shared GroupNorm statistics). KL autoencoders "
-                        "(SD, SDXL, SD3, Flux.1, Flux.2), the HunyuanVideo VAE, the HunyuanImage 2.1 32x VAE, the Wan "
-                        "2.1 VAE (also Qwen-Image), the Wan 2.2 VAE and the LTX-2 video VAE (also LTXV 0.9.0).",
+                        "(SD, SDXL, SD3, Flux.1, Flux.2), the HunyuanVideo VAE, the HunyuanImage 2.1 32x VAE, the "
+                        "HunyuanVideo 1.5 VAE (also the HunyuanImage 2.1 refiner's), the Wan 2.1 VAE (also "
+                        "Qwen-Image), the Wan 2.2 VAE and the LTX-2 video VAE (also LTXV 0.9.0).",
             inputs=[io.Vae.Input("vae"), ParallelConfigType.Input("parallel_config")],
             outputs=[io.Vae.Output()],
             hidden=[io.Hidden.prompt],
