@@ -44,8 +44,9 @@ def run(world, model, args, kwargs, **kw):
 def refused_input(model, kwargs) -> str | None:
     """An input of this call that the plan, as it reads this model, declines (on some ComfyUI
     releases a model cuts absolute token ranges a chunk cannot follow): it must say so."""
-    plan = find_plan(model).for_module(model)
-    return next((name for name in plan.context_parallel.unsupported if kwargs.get(name) is not None), None)
+    cp = find_plan(model).for_module(model).context_parallel
+    return next((name for name in cp.unsupported if kwargs.get(name) is not None
+                 and cp.unsupported_when.get(name, lambda value: True)(kwargs[name])), None)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -149,6 +150,32 @@ def ltxav_inpaint_audio_mask():
     return with_denoise_masks(*ltxav_inputs(ltxav_model(), 11, seed=167), video, audio)
 
 
+def ltxav_keyframe(strength: float, seed: int):
+    """What LTXVAddGuide builds: one guide latent frame appended to the video latent (kept where its
+    mask is 1 - strength), its pixel coordinates as keyframe_idxs (frame 16), and its guide entry."""
+    from comfy.ldm.lightricks.symmetric_patchifier import latent_to_pixel_coords
+
+    model, args, kwargs = ltxav_inputs(ltxav_model(), 9, seed=seed)
+    (video, audio), t, context, attention_mask = args
+    guide = randn(1, 128, 1, 5, 7, seed=seed + 3)
+    _, coords = model.patchifier.patchify(guide)
+    keyframe_idxs = latent_to_pixel_coords(coords, model.vae_scale_factors, causal_fix=True)
+    keyframe_idxs[:, 0] += 16
+    mask = torch.ones(2, 1, 4, 5, 7)
+    mask[:, :, 3] = 1.0 - strength
+    entry = {"pre_filter_count": 35, "strength": strength, "pixel_mask": None, "latent_shape": (1, 5, 7)}
+    args = ([torch.cat([video, guide.expand(2, -1, -1, -1, -1)], dim=2), audio], t, context, attention_mask)
+    kwargs = {**kwargs, "keyframe_idxs": keyframe_idxs.expand(2, -1, -1, -1), "guide_attention_entries": [entry]}
+    return with_denoise_masks(model, args, kwargs, mask)
+
+
+@ltxav_case("ltxav_keyframe_guide")
+def ltxav_keyframe_guide():
+    """A keyframe guide at full strength: 35 guide tokens after the 105 video tokens, placed and
+    kept or dropped before the first block, so the split covers them like any video token."""
+    return ltxav_keyframe(1.0, seed=168)
+
+
 @pytest.fixture(scope="module", params=list(LTXAV_MESHES) if LTXAV_CASES else [])
 def ltxav_world(request, runtime):
     return cpu_world(runtime, LTXAV_MESHES[request.param])
@@ -184,6 +211,18 @@ def test_ltxav_matches_single_process(ltxav_world, ltxav_built, case):
     print(f"\n{case} on {ltxav_world.config.describe()}: max abs err {err:.2e}, rel {rel:.2e}")
     assert [o.shape for o in out] == [r.shape for r in ref]
     assert err <= TOL
+
+
+def test_ltxav_guide_attention_mask_refused(world):
+    """A guide below full strength makes the model build a self-attention bias between absolute
+    token ranges: refused by name before any rank works (the world stays usable), never computed."""
+    if "ltxav_keyframe_guide" not in LTXAV_CASES:
+        pytest.skip("this ComfyUI has no LTX-2")
+    model, args, kwargs = ltxav_keyframe(0.5, seed=169)
+    with pytest.raises(RuntimeError, match="'guide_attention_entries' is not supported with context parallelism"):
+        run_ltxav(world, model, args, kwargs)
+    model, args, kwargs = ltxav_keyframe(1.0, seed=169)
+    assert run_ltxav(world, model, args, kwargs)[0].shape == (2, 128, 4, 5, 7)
 
 
 def test_ltxav_attention_really_crosses_ranks(world, ltxav_built):

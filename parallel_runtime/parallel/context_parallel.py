@@ -210,9 +210,11 @@ def _copy_nested(value):
 
 def check_supported_arguments(plan: "ModelPlan", bound) -> None:
     """Refuse inputs the plan cannot shard, naming them, before any rank starts work."""
-    for name, why in plan.context_parallel.unsupported.items():
+    cp = plan.context_parallel
+    for name, why in cp.unsupported.items():
         place, key = arguments.find(bound, name)
-        if place is not None and place[key] is not None:
+        when = cp.unsupported_when.get(name)
+        if place is not None and place[key] is not None and (when is None or when(place[key])):
             raise RuntimeError(f"{plan.title}: '{name}' is not supported with context parallelism yet ({why})")
 
 

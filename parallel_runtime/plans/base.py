@@ -113,6 +113,9 @@ class ContextParallelPlan:
     call_inputs: tuple[Split, ...] = ()
     # Arguments this plan cannot shard yet: forward argument -> why. Refused before any work.
     unsupported: dict[str, str] = field(default_factory=dict)
+    # Where only some values of an unsupported argument are refused: argument -> whether this value
+    # is (LTX-2's guide entries: only those that make the model build a guide attention mask).
+    unsupported_when: dict[str, Callable[[object], bool]] = field(default_factory=dict)
     # Arguments the hooked modules (blocks, attention sites, gathered layers) receive that do not
     # depend on the token split and pass on unchanged. Any other argument that arrives with a value
     # means ComfyUI changed the model since the plan was written: refused, named (never computed).

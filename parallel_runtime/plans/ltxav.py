@@ -18,8 +18,13 @@ audio token stream beside the video one, and attention between the two.
   video's as ``CompressedTimestep`` objects (one row per frame, or per token for a spatial mask)
   that a token split cannot cut: the plan declares them ``convert``-ed to the per-token tensor
   the block accepts in their place (same additions, bit for bit), then cut.
-- Refused by name before any rank works: keyframe and guide tokens (absolute token ranges and a
-  guide attention mask), and the ID-LoRA reference audio (tokens prepended to the audio and cut
+- Keyframe guides (LTXVAddGuide: ``keyframe_idxs``, ``guide_attention_entries``,
+  ``generated_keyframes``) are guide latent frames appended to the video: the model places their
+  tokens, drops masked ones and marks keyframe tokens before ``transformer_blocks.0``, where the
+  split cuts them with the rest of the video, and drops them again after the video's gather.
+- Refused by name before any rank works: guide entries below full strength or with their own
+  attention mask (the model biases attention between absolute token ranges of the video with a
+  ``self_attention_mask``), and the ID-LoRA reference audio (tokens prepended to the audio and cut
   off again by their absolute count).
 
 Tensor parallelism cuts the heads of all six attentions of a block (q/k/v columns, ``to_out``
@@ -80,11 +85,18 @@ BLOCK_INPUTS = (
 ) + tuple(Split(arg, dim=1, stream=VIDEO, convert=per_token) for arg in VIDEO_TIMESTEPS)
 
 UNSUPPORTED = {
-    "keyframe_idxs": "keyframe guide tokens are placed and dropped by absolute token ranges",
-    "guide_attention_entries": "the guide attention mask addresses absolute token ranges of the video",
-    "generated_keyframes": "keyframe slots address absolute token ranges of the video",
+    "guide_attention_entries": "a guide below full strength or with its own attention mask makes the model "
+                               "bias attention between absolute token ranges of the video",
     "ref_audio": "reference audio tokens are prepended to the audio and cut off by their absolute count",
 }
+
+
+def guide_attention_biased(entries) -> bool:
+    """Whether the model builds a guide self-attention mask from these entries (its own test in
+    ``_build_guide_self_attention_mask``); guides at full strength without a mask build none. A mask
+    built anyway reaches the blocks as ``self_attention_mask``, which no plan passes: refused there."""
+    return any(e["strength"] != 1.0 or e.get("pixel_mask") is not None for e in entries)
+
 
 PLAN = ModelPlan(
     family="ltxav",
@@ -103,12 +115,12 @@ PLAN = ModelPlan(
                    "transformer_blocks.*.audio_to_video_attn": ((VIDEO,), (AUDIO,)),
                    "transformer_blocks.*.video_to_audio_attn": ((AUDIO,), (VIDEO,))},
         unsupported=UNSUPPORTED,
-        # Not self_attention_mask (the guide attention mask): refused when it carries a value.
+        unsupported_when={"guide_attention_entries": guide_attention_biased},
         passed=frozenset({"x", "v_context", "a_context", "attention_mask", "v_prompt_timestep",
                           "a_prompt_timestep", "context", "pe", "k_pe", "mask", "input"}),
     ),
-    notes="T2V with audio, image-to-video and denoise masks on either stream; not keyframes, guides or "
-          "reference audio (refused by name).",
+    notes="T2V with audio, image-to-video, denoise masks on either stream, keyframe guides at full strength; "
+          "not guide attention below full strength or reference audio (refused by name).",
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
 )
