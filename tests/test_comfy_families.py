@@ -2,8 +2,9 @@
 KSampler (CFG 3, so cond and uncond) and SaveLatent, on a tiny file of the family
 (tools/tiny_families.py), under Ulysses 2 and TP 2 against the same graph without Shard
 Transformer, in fp32. TP 2 also reports each rank's weight bytes, measured against the file.
-The Hunyuan cases whose side tokens (byt5 glyphs, vision features) join the text stream also run
-under Ring 2, CFG 2, USP 2x2 and Ulysses 2 x TP 2.
+The Hunyuan cases whose side tokens (byt5 glyphs, vision features) join the text stream, and LTX-2
+with a denoise mask (per-token timesteps on both streams), also run under Ring 2, CFG 2, USP 2x2
+and Ulysses 2 x TP 2.
 
 And never silently wrong: a model changed under its plan the way a ComfyUI update changes one
 (tests/comfy_extensions/simulated_comfyui_update) is refused with the family and the release
@@ -106,6 +107,24 @@ def test_hunyuan_side_tokens_under_every_layout(tiny_server, layout, family):
     print(f"\n{family} {layout}: max abs err {err:.2e}")
     assert err <= TOL
     assert all(mesh[dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
+
+
+# LTX-2 inpainting through stock nodes (SetLatentNoiseMask before LTXVConcatAVLatent): per-token
+# video timesteps (LTX-2's CompressedTimestep, expanded and cut) and per-token audio timesteps.
+MASKED_FAMILIES = [f for f in ("ltxav_inpaint",) if f in FAMILIES]
+
+
+@pytest.mark.parametrize("layout,family", [(layout, f) for layout in MORE_LAYOUTS for f in MASKED_FAMILIES],
+                         ids=[f"{layout}-{f}" for layout in MORE_LAYOUTS for f in MASKED_FAMILIES])
+def test_ltxav_denoise_mask_under_every_layout(tiny_server, layout, family):
+    parallel = MORE_LAYOUTS[layout]
+    ref = reference(tiny_server, family)
+    # The mask reached the model: the kept top-left 3 x 2 latent tokens stay the empty latent's zeros.
+    assert ref[1][..., :2, :3].abs().max() < 1e-6 and ref[1][..., 2:, 3:].abs().max() > 0.1
+    err = max_error(final_latents(tiny_server, family_prompt(family, parallel)), ref)
+    print(f"\n{family} {layout}: max abs err {err:.2e}")
+    assert err <= TOL
+    assert all(status(tiny_server)["mesh"][dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
 
 
 def updated_prompt(family: str, change: str) -> dict:

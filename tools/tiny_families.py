@@ -49,6 +49,23 @@ LTXV_LATENT = {"class_type": "EmptyLTXVLatentVideo",
 LTXAV_LATENT = {"class_type": "LTXVConcatAVLatent", "inputs": {"video_latent": ["9", 0], "audio_latent": ["10", 0]}}
 LTXAV_LATENT_NODES = {"9": LTXV_LATENT,
                       "10": {"class_type": "EmptyAceStepLatentAudio", "inputs": {"seconds": 1.5, "batch_size": 1}}}
+# ComfyUI 0.33 on. Text 64 wide through one connector layer of two heads of 32 (the connectors stay
+# whole under TP: ComfyUI runs them when it builds the conditioning); audio four heads of 32.
+LTXAV_CONFIG = dict(in_channels=128, audio_in_channels=128, cross_attention_dim=256, audio_cross_attention_dim=128,
+                    attention_head_dim=64, audio_attention_head_dim=32, num_attention_heads=4,
+                    audio_num_attention_heads=4, caption_channels=TEXT_DIM, num_layers=6,
+                    connector_attention_head_dim=32, connector_num_attention_heads=2, connector_num_layers=1)
+# LTX-2 inpainting: SetLatentNoiseMask on the video latent (a 224 x 160 mask with its top-left
+# 96 x 64 kept) before LTXVConcatAVLatent, which gives the audio an all-ones mask: per-token video
+# timesteps (a spatial mask: one per token, not per frame) and per-token audio timesteps.
+LTXAV_MASKED_LATENT = {"class_type": "LTXVConcatAVLatent", "inputs": {"video_latent": ["33", 0],
+                                                                      "audio_latent": ["10", 0]}}
+LTXAV_MASKED_NODES = {**LTXAV_LATENT_NODES,
+                      "30": {"class_type": "SolidMask", "inputs": {"value": 1.0, "width": 224, "height": 160}},
+                      "31": {"class_type": "SolidMask", "inputs": {"value": 0.0, "width": 96, "height": 64}},
+                      "32": {"class_type": "MaskComposite", "inputs": {"destination": ["30", 0], "source": ["31", 0],
+                                                                       "x": 0, "y": 0, "operation": "multiply"}},
+                      "33": {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["9", 0], "mask": ["32", 0]}}}
 # HunyuanImage 2.1: 64 channels at 1/32 of the image, 9 x 11 = 99 tokens.
 HUNYUAN_IMAGE_LATENT = {"class_type": "EmptyHunyuanImageLatent", "inputs": {"width": 288, "height": 352, "batch_size": 1}}
 # HunyuanVideo 1.5: 32 channels at 1/16 in space and 1/4 in time, 3 x 5 x 7 = 105 tokens.
@@ -177,16 +194,12 @@ ALL_FAMILIES = {
                        dict(in_channels=128, cross_attention_dim=256, attention_head_dim=64, num_attention_heads=4,
                             caption_channels=TEXT_DIM, num_layers=4),
                        LTXV_LATENT, prompt=PROMPT_MASKED),
-    # ComfyUI 0.33 on. Text 64 wide through one connector layer of two heads of 32 (the connectors stay
-    # whole under TP: ComfyUI runs them when it builds the conditioning); audio four heads of 32.
-    "ltxav": TinyFamily("comfy.ldm.lightricks.av_model.LTXAVModel",
-                        dict(in_channels=128, audio_in_channels=128, cross_attention_dim=256,
-                             audio_cross_attention_dim=128, attention_head_dim=64, audio_attention_head_dim=32,
-                             num_attention_heads=4, audio_num_attention_heads=4, caption_channels=TEXT_DIM,
-                             num_layers=6, connector_attention_head_dim=32, connector_num_attention_heads=2,
-                             connector_num_layers=1),
-                        LTXAV_LATENT, needs="comfy.ldm.lightricks.av_model",
-                        latent_nodes=LTXAV_LATENT_NODES, streams=("video", "audio")),
+    "ltxav": TinyFamily("comfy.ldm.lightricks.av_model.LTXAVModel", LTXAV_CONFIG, LTXAV_LATENT,
+                        needs="comfy.ldm.lightricks.av_model", latent_nodes=LTXAV_LATENT_NODES,
+                        streams=("video", "audio")),
+    "ltxav_inpaint": TinyFamily("comfy.ldm.lightricks.av_model.LTXAVModel", LTXAV_CONFIG, LTXAV_MASKED_LATENT,
+                                needs="comfy.ldm.lightricks.av_model", latent_nodes=LTXAV_MASKED_NODES,
+                                streams=("video", "audio")),
     "lumina2": TinyFamily("comfy.ldm.lumina.model.NextDiT",
                           dict(patch_size=2, in_channels=16, dim=256, n_layers=3, n_refiner_layers=1, n_heads=8,
                                n_kv_heads=4, qk_norm=True, cap_feat_dim=TEXT_DIM, axes_dims=[8, 12, 12],
