@@ -93,11 +93,11 @@ def ltxav_case(name):
     return register
 
 
-def ltxav_model(seed=160):
+def ltxav_model(seed=160, **options):
     """Video four heads of 64 (width 256), audio four heads of 32 (width 128), two blocks."""
     from comfy.ldm.lightricks.av_model import LTXAVModel
 
-    return seeded(LTXAVModel(in_channels=128, audio_in_channels=128, cross_attention_dim=256,
+    return seeded(LTXAVModel(**options, in_channels=128, audio_in_channels=128, cross_attention_dim=256,
                              audio_cross_attention_dim=128, attention_head_dim=64, audio_attention_head_dim=32,
                              num_attention_heads=4, audio_num_attention_heads=4, caption_channels=64, num_layers=2,
                              connector_attention_head_dim=32, connector_num_attention_heads=2, dtype=torch.float32,
@@ -152,10 +152,13 @@ def ltxav_inpaint_audio_mask():
 
 def ltxav_keyframe(strength: float, seed: int):
     """What LTXVAddGuide builds: one guide latent frame appended to the video latent (kept where its
-    mask is 1 - strength), its pixel coordinates as keyframe_idxs (frame 16), and its guide entry."""
+    mask is 1 - strength), its pixel coordinates as keyframe_idxs (frame 16), and its guide entry;
+    with the learned keyframe marker, added to the first frame and to a generated keyframe slot."""
     from comfy.ldm.lightricks.symmetric_patchifier import latent_to_pixel_coords
 
-    model, args, kwargs = ltxav_inputs(ltxav_model(), 9, seed=seed)
+    model = ltxav_model(use_keyframes_abs_pos_embedding=True)
+    model, args, kwargs = ltxav_inputs(model, 9, seed=seed, generated_keyframes={
+        "tokens_per_frame": 35, "first_latent_frame": 2, "num_keyframes": 1})
     (video, audio), t, context, attention_mask = args
     guide = randn(1, 128, 1, 5, 7, seed=seed + 3)
     _, coords = model.patchifier.patchify(guide)
