@@ -283,9 +283,32 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
     if ctx.parts == 1:
         yield ctx
         return
-    cp = plan.context_parallel
     transformer_options = arguments.get_options(bound)
-    for spec in cp.call_inputs:
+    _defer_call_inputs(ctx, plan, bound)
+    handles = []
+    try:
+        handles = _install_hooks(ctx, plan, root)
+        had_override = OVERRIDE_KEY in transformer_options
+        previous = transformer_options.get(OVERRIDE_KEY)
+        transformer_options[OVERRIDE_KEY] = attention_override
+        _RUNNING.append((ctx, previous))
+        try:
+            yield ctx
+        finally:
+            _RUNNING.pop()
+            if had_override:
+                transformer_options[OVERRIDE_KEY] = previous
+            else:
+                transformer_options.pop(OVERRIDE_KEY, None)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _defer_call_inputs(ctx: ForwardContext, plan: ModelPlan, bound) -> None:
+    """The forward's own arguments cut once their stream exists (ControlNet residuals): a copy
+    of each nested dict or list replaces it, so the caller's stays whole."""
+    for spec in plan.context_parallel.call_inputs:
         place, key = arguments.find(bound, spec.arg)
         value = place[key] if place is not None else None
         if isinstance(value, (dict, list, tuple)):
@@ -294,14 +317,19 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
         elif value is not None:
             raise RuntimeError(f"{plan.title} plan: call input '{spec.arg}' is a {type(value).__name__}, "
                                "not a dict or list of tensors")
+
+
+def _install_hooks(ctx: ForwardContext, plan: ModelPlan, root: torch.nn.Module) -> list:
+    """The plan's hooks on ``root``: guards first (they see the arguments as the model passes
+    them, one per hooked module), then the splits, the attention sites and the gathers."""
+    cp = plan.context_parallel
     handles = []
+    cut_by: dict[int, set[str]] = {}
+    for pattern, splits in cp.inputs.items():
+        for _, mod in matching_modules(root, pattern):
+            cut_by.setdefault(id(mod), set()).update(s.arg for s in splits)
+    guarded = set()
     try:
-        # Guards first (they see the arguments as the model passes them), one per hooked module.
-        cut_by: dict[int, set[str]] = {}
-        for pattern, splits in cp.inputs.items():
-            for _, mod in matching_modules(root, pattern):
-                cut_by.setdefault(id(mod), set()).update(s.arg for s in splits)
-        guarded = set()
         for pattern in (*cp.inputs, *cp.outputs, *cp.attention):
             for name, mod in matching_modules(root, pattern):
                 if id(mod) not in guarded:
@@ -318,18 +346,8 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
         for pattern, spec in cp.outputs.items():
             for _, mod in matching_modules(root, pattern):
                 handles.append(scoped_hooks.post_hook(mod, _gather_hook(ctx, spec)))
-        had_override = OVERRIDE_KEY in transformer_options
-        previous = transformer_options.get(OVERRIDE_KEY)
-        transformer_options[OVERRIDE_KEY] = attention_override
-        _RUNNING.append((ctx, previous))
-        try:
-            yield ctx
-        finally:
-            _RUNNING.pop()
-            if had_override:
-                transformer_options[OVERRIDE_KEY] = previous
-            else:
-                transformer_options.pop(OVERRIDE_KEY, None)
-    finally:
+    except BaseException:
         for h in handles:
             h.remove()
+        raise
+    return handles
