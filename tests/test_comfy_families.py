@@ -127,6 +127,25 @@ def test_ltxav_denoise_mask_under_every_layout(tiny_server, layout, family):
     assert all(status(tiny_server)["mesh"][dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
 
 
+# LTX-2 T2V with audio (the two streams and their cross-stream attention) under the layouts the
+# per-family runs and the hybrids leave out.
+LTX2_FAMILIES = [f for f in ("ltxav",) if f in FAMILIES]
+
+
+@pytest.mark.parametrize("layout,family", [(layout, f) for layout in ("ring2", "cfg2") for f in LTX2_FAMILIES],
+                         ids=[f"{layout}-{f}" for layout in ("ring2", "cfg2") for f in LTX2_FAMILIES])
+def test_ltx2_t2v_with_audio_under_ring_and_cfg(tiny_server, layout, family):
+    parallel = MORE_LAYOUTS[layout]
+    ref = reference(tiny_server, family)
+    out = final_latents(tiny_server, family_prompt(family, parallel))
+    err = max_error(out, ref)
+    mesh = status(tiny_server)["mesh"]
+    print(f"\n{family} {layout}: max abs err {err:.2e}")
+    assert len(out) == len(ref) == 2  # the video and the audio latent
+    assert err <= TOL
+    assert all(mesh[dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
+
+
 def updated_prompt(family: str, change: str) -> dict:
     prompt = family_prompt(family, {"ulysses_size": 2})
     prompt["1"] = {"class_type": "SimulatedUpdateUNETLoader", "inputs": {"unet_name": file_name(family),
