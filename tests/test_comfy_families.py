@@ -10,6 +10,7 @@ And never silently wrong: a model changed under its plan the way a ComfyUI updat
 (tests/comfy_extensions/simulated_comfyui_update) is refused with the family and the release
 named, not computed."""
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -144,6 +145,45 @@ def test_ltx2_t2v_with_audio_under_ring_and_cfg(tiny_server, layout, family):
     assert len(out) == len(ref) == 2  # the video and the audio latent
     assert err <= TOL
     assert all(mesh[dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
+
+
+# LTX-2 image-to-video with a keyframe through ComfyUI's own nodes (LTXVImgToVideoInplace, then
+# LTXVAddGuide with the tiny LTX-2 video VAE): the start frame kept by a per-frame denoise mask, the
+# keyframe appended as guide tokens with keyframe_idxs and a full-strength guide attention entry.
+# Ulysses 2 and TP 2 run with every family above.
+I2V_FAMILIES = [f for f in ("ltxav_i2v",) if f in FAMILIES]
+
+
+def encoded_image(server, family, node) -> torch.Tensor:
+    """The latent the family's VAE gives the workflow's EmptyImage ``node``, encoded in this process."""
+    import comfy.sd
+    import comfy.utils
+
+    nodes = FAMILIES[family].latent_nodes
+    vae_file = server.base_dir / "models" / "vae" / nodes["40"]["inputs"]["vae_name"]
+    sd, metadata = comfy.utils.load_torch_file(str(vae_file), return_metadata=True)
+    image = nodes[node]["inputs"]
+    rgb = torch.tensor([(image["color"] >> shift) & 0xFF for shift in (16, 8, 0)], dtype=torch.float32) / 255.0
+    pixels = rgb.expand(image["batch_size"], image["height"], image["width"], 3)
+    return comfy.sd.VAE(sd=sd, metadata=metadata).encode(pixels)
+
+
+@pytest.mark.parametrize("layout,family", [(layout, f) for layout in MORE_LAYOUTS for f in I2V_FAMILIES],
+                         ids=[f"{layout}-{f}" for layout in MORE_LAYOUTS for f in I2V_FAMILIES])
+def test_ltx2_i2v_keyframe_under_every_layout(tiny_server, layout, family):
+    parallel = MORE_LAYOUTS[layout]
+    ref = reference(tiny_server, family)
+    audio, video = ref  # file-name order: ltxav_i2v_audio, ltxav_i2v_video
+    # Both images reached the model: 3 latent frames and the appended keyframe; the start frame and
+    # the keyframe are kept as the VAE encodes their images, the frames between are sampled.
+    assert video.shape[2] == 4 and audio.ndim == 4
+    for frame, node in ((0, "41"), (3, "43")):
+        assert (video[:, :, frame] - encoded_image(tiny_server, family, node)[:, :, 0]).abs().max() < 1e-5
+    assert (video[:, :, 1] - encoded_image(tiny_server, family, "41")[:, :, 0]).abs().max() > 0.1
+    err = max_error(final_latents(tiny_server, family_prompt(family, parallel)), ref)
+    print(f"\n{family} {layout}: max abs err {err:.2e}")
+    assert err <= TOL
+    assert all(status(tiny_server)["mesh"][dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
 
 
 def updated_prompt(family: str, change: str) -> dict:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tiny_models import (_seeded_, make, siglip_tiny_state_dict, stating_config, taehv_hv15_state_dict,
-                         write_conditioning_dataset)
+from tiny_models import (_seeded_, ltx2_video_vae_state_dict, make, siglip_tiny_state_dict, stating_config,
+                         taehv_hv15_state_dict, write_conditioning_dataset)
 
 TEXT_DIM = 64
 TEXT_TOKENS = 7
@@ -34,8 +34,12 @@ BYT5_TOKENS, BYT5_DIM = 5, 1472
 # test server's extension) and the light 1.5 autoencoder (VAELoader), see tools/tiny_models.py.
 CLIP_VISION_FILE = "tiny_siglip_1152.safetensors"
 HV15_VAE_FILE = "tiny_lighttaehy1_5.safetensors"
-SIDE_FILES = {("clip_vision", CLIP_VISION_FILE): siglip_tiny_state_dict,
-              ("vae", HV15_VAE_FILE): taehv_hv15_state_dict}
+# LTX-2 image-to-video and keyframes: the tiny LTX-2 video VAE (32x, 8x) that encodes the images.
+LTX2_VAE_FILE = "tiny_ltx2_video_vae.safetensors"
+# (folder, file) -> (builder, the module a file newer than ComfyUI 0.3.75 needs, or None)
+SIDE_FILES = {("clip_vision", CLIP_VISION_FILE): (siglip_tiny_state_dict, None),
+              ("vae", HV15_VAE_FILE): (taehv_hv15_state_dict, None),
+              ("vae", LTX2_VAE_FILE): (ltx2_video_vae_state_dict, "comfy.ldm.lightricks.av_model")}
 
 IMAGE_LATENT = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 80, "height": 112, "batch_size": 1}}
 VIDEO_LATENT = {"class_type": "EmptyHunyuanLatentVideo",
@@ -66,6 +70,24 @@ LTXAV_MASKED_NODES = {**LTXAV_LATENT_NODES,
                       "32": {"class_type": "MaskComposite", "inputs": {"destination": ["30", 0], "source": ["31", 0],
                                                                        "x": 0, "y": 0, "operation": "multiply"}},
                       "33": {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["9", 0], "mask": ["32", 0]}}}
+# LTX-2 image-to-video with a keyframe, as ComfyUI's LTX-2 I2V template builds it: the start image
+# encoded into the first latent frame (LTXVImgToVideoInplace, kept: mask 0) and a last-frame keyframe
+# appended as guide tokens (LTXVAddGuide: keyframe_idxs and a full-strength guide attention entry on
+# both conditionings, its latent frame kept too), then joined with the audio latent.
+LTXAV_I2V_LATENT = {"class_type": "LTXVConcatAVLatent", "inputs": {"video_latent": ["44", 2],
+                                                                   "audio_latent": ["10", 0]}}
+LTXAV_I2V_NODES = {**LTXAV_LATENT_NODES,
+                   "40": {"class_type": "VAELoader", "inputs": {"vae_name": LTX2_VAE_FILE}},
+                   "41": {"class_type": "EmptyImage", "inputs": {"width": 224, "height": 160, "batch_size": 1,
+                                                                 "color": 0x3C8CD2}},
+                   "42": {"class_type": "LTXVImgToVideoInplace", "inputs": {
+                       "vae": ["40", 0], "image": ["41", 0], "latent": ["9", 0], "strength": 1.0, "bypass": False}},
+                   "43": {"class_type": "EmptyImage", "inputs": {"width": 224, "height": 160, "batch_size": 1,
+                                                                 "color": 0xD2823C}},
+                   "44": {"class_type": "LTXVAddGuide", "inputs": {
+                       "positive": ["4", 1], "negative": ["5", 0], "vae": ["40", 0], "latent": ["42", 0],
+                       "image": ["43", 0], "frame_idx": -1, "strength": 1.0}}}
+LTXAV_I2V_CONDITIONING = {"positive": ["44", 0], "negative": ["44", 1]}
 # HunyuanImage 2.1: 64 channels at 1/32 of the image, 9 x 11 = 99 tokens.
 HUNYUAN_IMAGE_LATENT = {"class_type": "EmptyHunyuanImageLatent", "inputs": {"width": 288, "height": 352, "batch_size": 1}}
 # HunyuanVideo 1.5: 32 channels at 1/16 in space and 1/4 in time, 3 x 5 x 7 = 105 tokens.
@@ -200,6 +222,9 @@ ALL_FAMILIES = {
     "ltxav_inpaint": TinyFamily("comfy.ldm.lightricks.av_model.LTXAVModel", LTXAV_CONFIG, LTXAV_MASKED_LATENT,
                                 needs="comfy.ldm.lightricks.av_model", latent_nodes=LTXAV_MASKED_NODES,
                                 streams=("video", "audio")),
+    "ltxav_i2v": TinyFamily("comfy.ldm.lightricks.av_model.LTXAVModel", LTXAV_CONFIG, LTXAV_I2V_LATENT,
+                            needs="comfy.ldm.lightricks.av_model", latent_nodes=LTXAV_I2V_NODES,
+                            sampler_inputs=LTXAV_I2V_CONDITIONING, streams=("video", "audio")),
     "lumina2": TinyFamily("comfy.ldm.lumina.model.NextDiT",
                           dict(patch_size=2, in_channels=16, dim=256, n_layers=3, n_refiner_layers=1, n_heads=8,
                                n_kv_heads=4, qk_norm=True, cap_feat_dim=TEXT_DIM, axes_dims=[8, 12, 12],
@@ -298,9 +323,9 @@ def write_family_files(base_dir: Path) -> dict[str, Path]:
     byt5 = torch.randn(1, BYT5_TOKENS, BYT5_DIM, generator=gen)
     # pooled_output None, as ComfyUI's Qwen2.5-VL encoder gives it (1.5's model reads the key).
     write_conditioning_dataset(base_dir, PROMPT_BYT5, text, {"conditioning_byt5small": byt5, "pooled_output": None})
-    for (folder_name, name), state_dict in SIDE_FILES.items():
+    for (folder_name, name), (state_dict, needs) in SIDE_FILES.items():
         path = Path(base_dir) / "models" / folder_name / name
-        if not path.exists():
+        if not path.exists() and _available(needs):
             path.parent.mkdir(parents=True, exist_ok=True)
             made = state_dict()
             sd, metadata = made if isinstance(made, tuple) else (made, None)

@@ -413,3 +413,33 @@ def taehv_hv15_state_dict(seed: int = 31) -> dict[str, torch.Tensor]:
     import comfy.taesd.taehv
 
     return _random_state_dict(lambda: comfy.taesd.taehv.TAEHV(latent_channels=32), seed, dtype=torch.float32)
+
+
+# LTX-2's video VAE at LTX's real compression (32x in space, 8x in time: ComfyUI's LTXV VAE wrapper
+# fixes those factors, and LTXVImgToVideoInplace / LTXVAddGuide size their images from them), eight
+# channels wide, about 1.2M parameters. VAELoader detects it from its keys and builds it from the
+# ``config`` -> ``vae`` the file states, as it does for LTX-2's own files.
+LTX2_VAE_TINY = {
+    "dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128, "patch_size": 4,
+    "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space_res", {"multiplier": 2}],
+                       ["compress_time_res", {"multiplier": 2}], ["compress_all_res", {"multiplier": 2}],
+                       ["compress_all_res", {"multiplier": 1}], ["res_x", {"num_layers": 1}]],
+    "decoder_blocks": [["res_x", {"num_layers": 1}], ["compress_all", {"residual": True, "multiplier": 1}],
+                       ["compress_all", {"residual": True, "multiplier": 2}], ["compress_time", {"multiplier": 2}],
+                       ["compress_space", {"multiplier": 2}], ["res_x", {"num_layers": 1}]],
+    "norm_layer": "pixel_norm", "latent_log_var": "uniform", "causal_decoder": False,
+    "timestep_conditioning": False, "encoder_base_channels": 8, "decoder_base_channels": 8,
+}
+
+
+def ltx2_video_vae_state_dict(seed: int = 32) -> tuple[dict, dict]:
+    """The tiny LTX-2 video VAE (``LTX2_VAE_TINY``) with its per-channel latent statistics near
+    LTX's (means about 0, spreads about 1: the random-weights default of zero spreads would divide
+    the latent by zero)."""
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+
+    sd = _random_state_dict(lambda: VideoVAE(config=LTX2_VAE_TINY), seed, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    sd["per_channel_statistics.std-of-means"] = 0.5 + torch.rand(128, generator=gen)
+    sd["per_channel_statistics.mean-of-means"] = torch.randn(128, generator=gen) * 0.1
+    return stating_config(sd, "vae", LTX2_VAE_TINY)
