@@ -1,7 +1,8 @@
 """Small configs of ComfyUI's text encoders, built the way ComfyUI builds them (comfy.sd.CLIP with
 a ``<name>_model_config`` override), with seeded random weights and hand-made token ids (the
 encoders, not the tokenizers, are what gets sharded). Encoders newer than ComfyUI 0.3.75 (Gemma 3
-4B Vision, LTX-2's Gemma 3 12B) are registered only where ComfyUI has their classes."""
+4B Vision, LTX-2's Gemma 3 12B, FLUX.2 klein's Qwen3 8B / 4B, Anima's Qwen3 0.6B, ERNIE-Image's
+Ministral 3 3B, Krea 2's and JoyImage's Qwen3-VL) are registered only where ComfyUI has their classes."""
 from __future__ import annotations
 
 import contextlib
@@ -192,3 +193,100 @@ def ltx2_gemma3_12b():
     toks = tokens("gemma3_12b", 9, 262208, 18)
     toks["gemma3_12b"][0][:0] = [(0, 1.0)] * 3
     return clip, toks
+
+
+# ComfyUI 0.33's Qwen3 / Ministral 3 / Qwen3-VL encoders (issue 32). head_dim is a class constant
+# of ComfyUI's configs (128), so the narrow models keep it.
+
+
+@encoder("flux2_klein_qwen3_8b", needs="comfy.text_encoders.llama.Qwen3_8B")
+def flux2_klein_qwen3_8b():
+    import comfy.text_encoders.flux
+
+    # FLUX.2 klein 9B's encoder (comfy.sd for a Qwen3-8B CLIP of type flux2): hidden states after
+    # layers 9, 18 and 27 stacked, so 28 layers; Qwen3_8B keeps its (generation-only) lm_head.
+    config = {**LLAMA_SMALL, "num_hidden_layers": 28}
+    clip = build_clip(comfy.text_encoders.flux.klein_te(model_type="qwen3_8b"), "qwen3_8b", config, seed=21)
+    return clip, tokens("qwen3_8b", 9, 151936, 22)
+
+
+# One KV head: under TP 2 the ranks share it (replicated KV heads). A wider MLP keeps rank 0's share
+# of the layer weights under the test's limits though the KV projections are whole on each rank.
+LLAMA_ONE_KV = {**LLAMA_SMALL, "num_key_value_heads": 1, "intermediate_size": 1024}
+
+
+@encoder("flux2_klein_qwen3_4b", needs="comfy.text_encoders.flux.klein_te")
+def flux2_klein_qwen3_4b():
+    import comfy.text_encoders.flux
+
+    # FLUX.2 klein 4B's encoder: Qwen3_4B with the 9 / 18 / 27 layer taps.
+    config = {**LLAMA_ONE_KV, "num_hidden_layers": 28}
+    clip = build_clip(comfy.text_encoders.flux.klein_te(model_type="qwen3_4b"), "qwen3_4b", config, seed=23)
+    return clip, tokens("qwen3_4b", 9, 151936, 24)
+
+
+@encoder("anima_qwen3_06b", needs="comfy.text_encoders.llama.Qwen3_06B")
+def anima_qwen3_06b():
+    import comfy.text_encoders.anima
+
+    # Anima's CLIP: Qwen3-0.6B's last hidden state; the T5 token ids only ride along in the extras.
+    clip = build_clip(comfy.text_encoders.anima.te(), "qwen3_06b", LLAMA_SMALL, seed=25)
+    return clip, {**tokens("qwen3_06b", 9, 151936, 26), **tokens("t5xxl", 7, 32128, 27)}
+
+
+@encoder("ernie_ministral3_3b", needs="comfy.text_encoders.llama.Ministral3_3B")
+def ernie_ministral3_3b():
+    import comfy.text_encoders.ernie
+
+    # ERNIE-Image's CLIP: Ministral 3 3B's hidden state of layer -2 (no q/k norms).
+    clip = build_clip(comfy.text_encoders.ernie.te(), "ministral3_3b", LLAMA_SMALL, seed=29)
+    return clip, tokens("ministral3_3b", 9, 131072, 30)
+
+
+@contextlib.contextmanager
+def small_qwen3vl_vision():
+    """Qwen3-VL's vision tower (with its DeepStack mergers) narrowed for the build: the module dicts
+    ``Qwen3VL.__init__`` reads."""
+    import comfy.text_encoders.qwen3vl as qwen3vl
+
+    saved = dict(qwen3vl.QWEN3VL_VISION_COMMON), {k: dict(v) for k, v in qwen3vl.QWEN3VL_VISION.items()}
+    qwen3vl.QWEN3VL_VISION_COMMON.update(num_heads=2, num_position_embeddings=64)
+    for value in qwen3vl.QWEN3VL_VISION.values():
+        value.update(hidden_size=32, intermediate_size=64, depth=3, deepstack_visual_indexes=[0, 1, 2])
+    try:
+        yield
+    finally:
+        qwen3vl.QWEN3VL_VISION_COMMON.clear()
+        qwen3vl.QWEN3VL_VISION_COMMON.update(saved[0])
+        for key, value in saved[1].items():
+            qwen3vl.QWEN3VL_VISION[key].clear()
+            qwen3vl.QWEN3VL_VISION[key].update(value)
+
+
+@encoder("krea2_qwen3vl_4b", needs="comfy.text_encoders.krea2.te")
+def krea2_qwen3vl_4b():
+    import comfy.text_encoders.krea2
+
+    # Krea 2's CLIP: Qwen3-VL-4B, hidden states of 12 layers up to layer 35 (36 layers). One image:
+    # rank 0's tower turns it into 4 embeddings, and its 3 DeepStack features are added to the
+    # first 3 layers' hidden states at those positions on every rank (multimodal RoPE positions).
+    config = {**LLAMA_SMALL, "num_hidden_layers": 36}
+    with small_qwen3vl_vision():
+        clip = build_clip(comfy.text_encoders.krea2.te(), "qwen3vl_4b", config, seed=31)
+    # The template's first two <|im_start|> (151644), then "user" "\n": Krea 2 strips up to there.
+    toks = tokens("qwen3vl_4b", 12, 151936, 32)
+    toks["qwen3vl_4b"][0][:0] = [(151644, 1.0), (8948, 1.0), (198, 1.0), (151644, 1.0), (872, 1.0), (198, 1.0)]
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(33))
+    toks["qwen3vl_4b"][0][8] = ({"type": "image", "data": image, "original_type": "image"}, 1.0)
+    return clip, toks
+
+
+@encoder("joyimage_qwen3vl_8b", needs="comfy.text_encoders.joyimage.te")
+def joyimage_qwen3vl_8b():
+    import comfy.text_encoders.joyimage
+
+    # JoyImage's CLIP: Qwen3-VL-8B's last layer before the final norm; it drops the first 34 tokens
+    # (the template's system prompt), so the prompt is longer than that.
+    with small_qwen3vl_vision():
+        clip = build_clip(comfy.text_encoders.joyimage.te(), "qwen3vl_8b", LLAMA_SMALL, seed=35)
+    return clip, tokens("qwen3vl_8b", 40, 151936, 36)
