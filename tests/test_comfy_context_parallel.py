@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from test_comfy_e2e import TOL, edited, final_latent, status
-from workflows import find_nodes, remove_passthrough
+from workflows import find_nodes, parallel_config_node, remove_passthrough
 
 pytestmark = pytest.mark.comfy_server
 
@@ -15,9 +15,7 @@ def hunyuan_prompt(parallel: dict) -> dict:
     return {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_hunyuan_video.safetensors",
                                                      "weight_dtype": "default"}},
-        "2": {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
-                                                         "cfg_size": 1, "devices": "auto", "backend": "auto",
-                                                         **parallel}},
+        "2": parallel_config_node(**parallel),
         "3": {"class_type": "ShardTransformer", "inputs": {"model": ["1", 0], "parallel_config": ["2", 0]}},
         "4": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": "tiny_hunyuan_prompt"}},
         "5": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["4", 1]}},
@@ -36,7 +34,9 @@ def compare(server, sharded, unsharded, label):
     err = (result - reference).abs().max().item()
     print(f"\n{label}: max abs err {err:.2e} (latents up to {reference.abs().max().item():.2f})")
     assert result.shape == reference.shape
-    assert err <= TOL
+    # fp32 rounding grows with the values: TOL absolute, relative to the largest value above 1 (the
+    # tiny Wan's latents reach ~21, where Ring 2's merge order alone gives 1.5e-5 on AVX-512 CPUs).
+    assert err <= TOL * max(1.0, reference.abs().max().item())
     return reference
 
 

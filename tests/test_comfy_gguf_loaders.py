@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tiny_models import saved_dataset
+from workflows import parallel_config_node
 
 pytestmark = pytest.mark.comfy_server
 tiny_gguf = pytest.importorskip("tiny_gguf", reason="tools/tiny_gguf.py needs the gguf package")
@@ -114,8 +115,7 @@ def test_umt5_through_shard_text_encoder_tp2_equals_the_unsharded_encoder(gguf_s
     text = "a red fox running through fresh snow"
     plain = tiny_gguf.text_encoder_prompt("umt5_q4_k", text, "gguf_umt5_ref")
     sharded = tiny_gguf.text_encoder_prompt("umt5_q4_k", text, "gguf_umt5_tp2")
-    sharded["p"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 2,
-                                                               "cfg_size": 1, "devices": "auto", "backend": "auto"}}
+    sharded["p"] = parallel_config_node(tp_size=2)
     sharded["s"] = {"class_type": "ShardTextEncoder", "inputs": {"clip": ["t1", 0], "parallel_config": ["p", 0]}}
     sharded["t2"]["inputs"]["clip"] = ["s", 0]
     ref = encoded(gguf_server, plain, "gguf_umt5_ref")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from test_comfy_e2e import TOL, final_latent, status
+from workflows import parallel_config_node
 
 pytestmark = pytest.mark.comfy_server
 
@@ -110,9 +111,7 @@ def quantized_prompt(model: str, form: str, parallel: dict | None, seed: int = 5
         "10": {"class_type": "SaveLatent", "inputs": {"samples": ["9", 0], "filename_prefix": f"latents/quantized_{model}"}},
     }
     if parallel is not None:
-        prompt["3"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
-                                                                  "cfg_size": 1, "devices": "auto", "backend": "auto",
-                                                                  **parallel}}
+        prompt["3"] = parallel_config_node(**parallel)
         prompt["4"] = {"class_type": "ShardTransformer", "inputs": {"model": ["2", 0], "parallel_config": ["3", 0]}}
         prompt["5"]["inputs"]["model"] = ["4", 0]
     return prompt

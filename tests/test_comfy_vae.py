@@ -8,7 +8,7 @@ from PIL import Image
 
 from comfy_server import PromptFailed
 from test_comfy_e2e import TOL, edited, status
-from workflows import find_nodes, remove_passthrough, with_shard_vae
+from workflows import find_nodes, parallel_config_node, remove_passthrough, with_shard_vae
 
 pytestmark = pytest.mark.comfy_server
 
@@ -41,8 +41,7 @@ def test_a_shard_vae_config_of_another_world_size_than_the_transformer_is_refuse
     bad = copy.deepcopy(tiny_prompt)  # Shard Transformer on 2 ranks, Shard VAE on 3
     (vae_loader,) = find_nodes(bad, "VAELoader")
     (decode,) = find_nodes(bad, "VAEDecode")
-    bad["60"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 3,
-                                                            "cfg_size": 1, "devices": "cpu,cpu,cpu", "backend": "auto"}}
+    bad["60"] = parallel_config_node(tp_size=3, devices="cpu,cpu,cpu")
     bad["61"] = {"class_type": "ShardVAE", "inputs": {"vae": [vae_loader, 0], "parallel_config": ["60", 0]}}
     bad[decode]["inputs"]["vae"] = ["61", 0]
     before = {r["pid"] for r in status(tiny_server)["ranks"]}

@@ -51,8 +51,9 @@ sys.path.append(str(REPO))  # after ComfyUI's root: its nodes.py must win over o
 
 from comfy_server import ComfyServer, PromptFailed  # noqa: E402
 from parallel_runtime.comfyui_location import comfyui_path  # noqa: E402
-from workflows import (edited, find_nodes, load, remove_passthrough, text_encoder_prompt,  # noqa: E402
-                       two_model_prompt, ui_to_api, with_shard_vae)
+from parallel_runtime.config import CONFIG_INPUTS, world_size_of  # noqa: E402
+from workflows import (edited, find_nodes, load, parallel_config_node, remove_passthrough,  # noqa: E402
+                       text_encoder_prompt, two_model_prompt, ui_to_api, with_shard_vae)
 
 WORKFLOW = REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json"
 GIB = 2**30
@@ -89,9 +90,11 @@ class Check:
 
     # ------------------------------------------------------------ helpers
     def parallel(self, **sizes) -> dict:
-        base = {"ulysses_size": 1, "ring_size": 1, "tp_size": 1, "cfg_size": 1, "backend": "auto", **sizes}
-        n = base["ulysses_size"] * base["ring_size"] * base["tp_size"] * base["cfg_size"]
-        return {**base, "devices": "auto" if self.gpu else ",".join(["cpu"] * n)}
+        """Parallel Config inputs: ``sizes``, the rest at the node's defaults, one CPU device per rank
+        off the GPU."""
+        inputs = parallel_config_node(**sizes)["inputs"]
+        n = world_size_of(inputs[spec.name] for spec in CONFIG_INPUTS if spec.kind == "int")
+        return {**inputs, "devices": "auto" if self.gpu else ",".join(["cpu"] * n)}
 
     def latent(self, prompt: dict, kind: str = "latents"):
         from safetensors.torch import load_file

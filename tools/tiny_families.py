@@ -19,6 +19,7 @@ import torch
 
 from tiny_models import (_seeded_, ltx2_video_vae_state_dict, make, siglip_tiny_state_dict, stating_config,
                          taehv_hv15_state_dict, write_conditioning_dataset)
+from workflows import parallel_config_node
 
 TEXT_DIM = 64
 TEXT_TOKENS = 7
@@ -351,9 +352,7 @@ def family_prompt(family: str, parallel: dict | None) -> dict:
             prompt[str(8 + 4 * i)] = {"class_type": "SaveLatent", "inputs": {
                 "samples": ["11", i], "filename_prefix": f"latents/{family}_{stream}"}}
     if parallel is not None:
-        prompt["2"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
-                                                                  "cfg_size": 1, "devices": "auto", "backend": "auto",
-                                                                  **parallel}}
+        prompt["2"] = parallel_config_node(**parallel)
         prompt["3"] = {"class_type": "ShardTransformer", "inputs": {"model": ["1", 0], "parallel_config": ["2", 0]}}
         model = ["3", 0]
     prompt["7"] = {"class_type": "KSampler", "inputs": {"model": model, "positive": ["4", 1], "negative": ["5", 0],

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from workflows import parallel_config_node
+
 GGUF_QTYPES = ("Q8_0", "Q4_K", "Q5_K")
 QK8_0 = 32   # values per Q8_0 block
 QK_K = 256   # values per K-quant super-block (8 sub-blocks of 32)
@@ -479,9 +481,7 @@ def write_prompt_datasets(base_dir) -> None:
 def _parallel(prompt: dict, model: list, parallel: dict | None) -> list:
     if parallel is None:
         return model
-    prompt["p1"] = {"class_type": "ParallelConfig",
-                    "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1, "cfg_size": 1, "devices": "auto",
-                               "backend": "auto", **parallel}}
+    prompt["p1"] = parallel_config_node(**parallel)
     prompt["p2"] = {"class_type": "ShardTransformer", "inputs": {"model": model, "parallel_config": ["p1", 0]}}
     return ["p2", 0]
 

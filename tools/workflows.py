@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # after ComfyUI's root where a caller put it: its nodes.py must win over ours
+from parallel_runtime.config import CONFIG_INPUTS  # noqa: E402  (pure Python: starts nothing)
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 UI_ONLY_NODES = {"Note", "MarkdownNote"}
@@ -15,6 +21,17 @@ MODE_MUTED, MODE_BYPASSED = 2, 4
 
 class WorkflowError(ValueError):
     pass
+
+
+def parallel_config_node(**values) -> dict:
+    """A Parallel Config node in API format: its required inputs at their defaults, from the node's
+    own list (``config.CONFIG_INPUTS``), then ``values`` (any input, optional ones included)."""
+    inputs = {spec.name: spec.default for spec in CONFIG_INPUTS if not spec.optional}
+    unknown = set(values) - {spec.name for spec in CONFIG_INPUTS}
+    if unknown:
+        raise WorkflowError(f"Parallel Config has no input {sorted(unknown)}; its inputs: "
+                            f"{[spec.name for spec in CONFIG_INPUTS]}")
+    return {"class_type": "ParallelConfig", "inputs": {**inputs, **values}}
 
 
 def load(path: str | Path) -> dict:
@@ -164,9 +181,7 @@ def with_shard_vae(prompt: dict, parallel: dict) -> dict:
     p = remove_passthrough(prompt, "ShardTransformer", "model")
     (vae_loader,) = find_nodes(p, "VAELoader")
     (decode,) = find_nodes(p, "VAEDecode")
-    p["60"] = {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 1, "ring_size": 1, "tp_size": 1,
-                                                          "cfg_size": 1, "devices": "auto", "backend": "auto",
-                                                          **parallel}}
+    p["60"] = parallel_config_node(**parallel)
     p["61"] = {"class_type": "ShardVAE", "inputs": {"vae": [vae_loader, 0], "parallel_config": ["60", 0]}}
     p[decode]["inputs"]["vae"] = ["61", 0]
     p["62"] = {"class_type": "VAEEncode", "inputs": {"pixels": [decode, 0], "vae": ["61", 0]}}
@@ -182,9 +197,7 @@ def text_encoder_prompt(text: str, folder: str, parallel=None) -> dict:
     return {
         "1": {"class_type": "CLIPLoader", "inputs": {"clip_name": "tiny_t5_base.safetensors", "type": "stable_audio",
                                                      "device": "default"}},
-        "2": {"class_type": "ParallelConfig", "inputs": {"ulysses_size": 2, "ring_size": 1, "tp_size": 1,
-                                                         "cfg_size": 1, "devices": "auto", "backend": "auto",
-                                                         **(parallel or {})}},
+        "2": parallel_config_node(**{"ulysses_size": 2, **(parallel or {})}),
         "3": {"class_type": "ShardTextEncoder", "inputs": {"clip": ["1", 0], "parallel_config": ["2", 0]}},
         "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 0], "text": text}},
         "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
