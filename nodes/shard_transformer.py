@@ -19,6 +19,7 @@ from ..parallel_runtime.world.runtime import RUNTIME
 from ..parallel_runtime.layout.refusal import plan_refusal
 from ..parallel_runtime.weights.shards import shard_nbytes
 from ..parallel_runtime.comfyui_glue.first_step_check import FirstStep, requested
+from ..parallel_runtime.comfyui_glue.user_plans import plan_folders, refresh as refresh_user_plans
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Transformer"
@@ -26,11 +27,14 @@ NODE = "Shard Transformer"
 
 def check_model(diffusion_model, config: ParallelConfig):
     """The plan for this model, or a ConfigError a user can act on."""
+    broken = refresh_user_plans()  # plan files a user added or changed since the last run
     plan = find_plan(diffusion_model)
     cls = type(diffusion_model)
     if plan is None:
+        folders = ", ".join(str(f) for f in plan_folders())
         raise ConfigError(f"{NODE}: the model class {cls.__module__}.{cls.__qualname__} is not supported; "
-                          f"supported: {supported_models_text()}")
+                          f"supported: {supported_models_text()}. A plan file for it in {folders} adds it "
+                          "(docs/user_plans.md)" + "".join(f"; {error}" for error in broken))
     plan = plan.for_module(diffusion_model)
     try:
         check_plan_matches(diffusion_model, plan)  # built the way the plan was written for, or refused now

@@ -48,8 +48,8 @@ def tiny_base(tmp_path_factory) -> Path:
 def tiny_server(tiny_base, comfyui_path):
     """One real ComfyUI server with the pack for the end-to-end tests of a session, with
     ComfyUI-GGUF where the host has it, plus the test-only extensions: tiny files that state their own config (FLUX.2, text encoders, the
-    per-family files), and a loader that changes a model the way a ComfyUI update does (see
-    their docstrings)."""
+    per-family files), a loader that changes a model the way a ComfyUI update does, and a pack
+    with a model of its own for the user plans (see their docstrings)."""
     from comfy_server import ComfyServer
 
     extensions = REPO / "tests" / "comfy_extensions"
@@ -57,6 +57,7 @@ def tiny_server(tiny_base, comfyui_path):
     server = ComfyServer(comfyui_path, tiny_base, python=sys.executable,
                          extra_custom_nodes=[extensions / "tiny_config_from_metadata",
                                              extensions / "simulated_comfyui_update",
+                                             extensions / "user_plan_model",
                                              *([gguf] if gguf.is_dir() else [])]).start()
     yield server
     server.stop()

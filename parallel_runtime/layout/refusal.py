@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from ..config import MESH_DIMS
 from ..plans import ModelPlan
+from ..plans.matching import layer_specs
+from ..plans.tensor_parallel import TensorParallelError
 from ..weights.shards import quantized_layers, quantized_message, valid_sizes
 
 
@@ -21,12 +23,16 @@ def plan_refusal(module, plan: ModelPlan, sizes: dict[str, int]) -> str | None:
     heads = plan.heads(module)
     tp, ulysses = int(sizes.get("tp", 1)), int(sizes.get("ulysses", 1))
     if tp > 1:
-        quantized = quantized_layers(module, plan.tensor_parallel, tp)
+        try:
+            layer_specs(module, plan.tensor_parallel)  # every layer the plan cuts is there
+            quantized = quantized_layers(module, plan.tensor_parallel, tp)
+            valid = valid_sizes(module, plan.tensor_parallel, heads)
+        except TensorParallelError as exc:  # a layer the plan cuts that this model lacks
+            return f"{plan.title} plan: {exc}"
         if quantized:
             (name, reason), more = quantized[0], len(quantized) - 1
             return quantized_message(f"this {plan.title} model's layer {name}" + (f" (and {more} more)" if more else ""),
                                      reason)
-        valid = valid_sizes(module, plan.tensor_parallel, heads)
         if tp not in valid:
             widths = ", ".join(f"{name} {int(_attr(module, path))}"
                                for name, path in plan.tensor_parallel.divisible.items())

@@ -144,6 +144,9 @@ class ModelPlan:
     # Modules whose forward torch.compile compiles one by one (parallel/compile_regions.py); empty: the
     # repeated blocks the plan's patterns name.
     compile_regions: tuple[str, ...] = ()
+    # A user plan (plans/user.py): (the file it came from, its text), which the workers build it from.
+    # None for the pack's own plans, which every rank imports.
+    source: "tuple[str, str] | None" = None
 
     def for_module(self, module: torch.nn.Module) -> "ModelPlan":
         return self if self.variant is None else self.variant(module)

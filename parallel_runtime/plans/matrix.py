@@ -22,6 +22,8 @@ def render() -> str:
         classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
         cells = ["yes" if all(d in plan.supports for d in dims) else "not yet" for _, dims in COLUMNS]
         rows.append(f"| {plan.title} | {classes} | " + " | ".join(cells) + f" | {_tested(plan)} | {plan.notes} |")
+    user = ["", "User plans: a plan file adds a transformer class the pack does not ship, in the same terms as the "
+                "plans above, checked against the model the same way ([docs/user_plans.md](docs/user_plans.md))."]
     encoders = ["", "Text encoders (Shard Text Encoder, tensor parallel over all ranks):", "",
                 "| Encoder | Model classes | Tested on ComfyUI | Notes |", "|---|---|---|---|"]
     for plan in ENCODER_PLANS:
@@ -32,4 +34,4 @@ def render() -> str:
     for plan in VAE_PLANS:
         classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
         vaes.append(f"| {plan.title} | {classes} | {_tested(plan)} | {plan.notes} |")
-    return "\n".join([BEGIN, header, rule, *rows, *encoders, *vaes, END])
+    return "\n".join([BEGIN, header, rule, *rows, *user, *encoders, *vaes, END])

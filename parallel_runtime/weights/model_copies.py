@@ -37,7 +37,7 @@ import torch
 from . import quantized, sources, packed, pickling, stream
 from .shards import build_shard, cut_plan, finish_shard, named_tensors
 from ..distributed import comm
-from ..plans import ModelPlan, check_plan_matches
+from ..plans import ModelPlan, check_plan_matches, plan_wire
 
 log = logging.getLogger("parallel")
 
@@ -227,7 +227,7 @@ class ModelCopies:
             target = target_of(w.rank)
             # One pickle per receiver: each pickle takes a reference on the shared files that
             # its receiver releases, so one pickle read by several workers would let them vanish.
-            w.conn.send(("load", key, plan.family,
+            w.conn.send(("load", key, plan_wire(plan),
                          pickling.pack_module(target, module_state=sources.worker_module_state)))
             w.storages[key] = pickling.shared_storages(target)  # given back if this worker dies
         return run_module
@@ -243,7 +243,7 @@ class ModelCopies:
         entries = _stream_entries(tensors, packed_slots, parts, forms, cuts)
         wire = [e.wire() for e in entries]
         for w in world.workers:
-            w.conn.send(("load_stream", key, plan.family, data, wire, (coords[w.rank], tp), self.transport,
+            w.conn.send(("load_stream", key, plan_wire(plan), data, wire, (coords[w.rank], tp), self.transport,
                          stream.BUCKET_BYTES))
         weight = self._stream_weight(module, source, names, tensors, packed_slots, parts, forms, tp)
         kept = stream.send(entries, weight, self._channel(), world.device, tp, coords,

@@ -36,7 +36,7 @@ from ..parallel import compile_regions, scoped_hooks
 from ..parallel.compile_regions import region_patterns
 from ..parallel.execution import run_sharded
 from ..parallel.vae_bands import band_convs
-from ..plans import plan_for_family
+from ..plans import plan_from_wire
 from ..plans.matching import matching_modules
 from ..weights import pickling, stream
 from ..weights.pickling import tensor_digest
@@ -205,14 +205,15 @@ class _Server:
         comm.HOST.clear()  # the staging pool's pinned buffers
         self.conn.send(("released", self.rank))
 
-    def on_load(self, key: str, family: str, data: bytes) -> None:
-        """CPU ranks on one host: map rank 0's shared pages (no copy)."""
+    def on_load(self, key: str, plan, data: bytes) -> None:
+        """CPU ranks on one host: map rank 0's shared pages (no copy). ``plan``: ``plans.plan_wire``'s
+        form (a family name, or a user plan's text)."""
         self._drop(key)  # release the old weights first
         module = pickling.unpack_module(data, self.device)
-        self.models[key] = (module, plan_for_family(family).for_module(module))
+        self.models[key] = (module, plan_from_wire(plan).for_module(module))
         self._loaded(key)
 
-    def on_load_stream(self, key: str, family: str, data: bytes, wire: list, tp: tuple, channel: str,
+    def on_load_stream(self, key: str, plan_sent, data: bytes, wire: list, tp: tuple, channel: str,
                        bucket_bytes: int) -> None:
         """A skeleton whose slots are allocated here, on this rank's device, at this rank's
         shape, then filled from rank 0's byte stream (weights/stream.py)."""
@@ -225,7 +226,7 @@ class _Server:
         stream.receive(entries, slots, link, self.device, tp_size, bucket_bytes)
         # Filled first: a tensor rebuilt around its slots may copy them (ComfyUI's QuantizedTensor).
         module = pickling.unpack_skeleton(data, slots)
-        plan = plan_for_family(family).for_module(module)
+        plan = plan_from_wire(plan_sent).for_module(module)
         if tp_size > 1:
             finish_shard(module, plan.tensor_parallel, tp_rank, tp_size)
         module.to(self.device)  # anything the skeleton carried by value

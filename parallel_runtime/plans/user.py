@@ -1,0 +1,148 @@
+"""User plans: plans for model classes the pack does not ship, written by a user in plan files.
+
+A plan file is Python that sets ``PLAN`` (or ``PLANS``, a tuple) to a ``ModelPlan`` built from the
+same vocabulary as the built-in plans, which the file finds already defined (``VOCABULARY``: no
+import of the pack is needed, nor possible, since the pack's package name depends on the folder
+it was cloned into). docs/user_plans.md has an example and the rules.
+
+- The pack reads every ``*.py`` of the plan folders it is given (``refresh``; the folders come from
+  ``comfyui_glue/user_plans.py``), again when a file changes, so a new plan needs no restart.
+- A plan is checked against the model like a built-in one (``matching.check_plan_matches``: a
+  module the plan names that the model lacks is refused, naming the plan and the module), and it
+  may not take a built-in family's name or class.
+- A plan travels to the workers with the model as its source text (``wire`` / ``from_wire``): a
+  worker builds it from that text, never from files of its own, so a worker on another host needs
+  no copy and every rank runs the very plan rank 0 checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import logging
+from pathlib import Path
+
+from .base import MAIN_STREAM, ContextParallelPlan, Gather, ModelPlan, Split
+from .tensor_parallel import Colwise, ColwiseKV, Norm, Rowwise, SliceInput, TensorParallelPlan
+
+log = logging.getLogger(__name__)
+
+# What a plan file finds defined: the declarations of the built-in plans, nothing that runs.
+VOCABULARY = {obj.__name__: obj for obj in (ModelPlan, ContextParallelPlan, Split, Gather, TensorParallelPlan,
+                                            Colwise, ColwiseKV, Rowwise, Norm, SliceInput)}
+VOCABULARY["MAIN_STREAM"] = MAIN_STREAM
+
+
+class UserPlanError(ValueError):
+    """A plan file that does not give usable plans (the message names the file)."""
+
+
+# family -> plan (with its ``source``), the plans of the files read so far on this process.
+_PLANS: dict[str, ModelPlan] = {}
+# path -> (stamp of the text read, families it gave, or the error it raised)
+_FILES: dict[str, tuple[str, tuple[str, ...], str | None]] = {}
+
+
+def _stamp(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build(text: str, origin: str, builtin_families: set[str], builtin_classes: dict[str, str]) -> tuple[ModelPlan, ...]:
+    """The plans a plan file's ``text`` gives, each carrying ``(origin, text)`` as its source."""
+    namespace = {**VOCABULARY, "__name__": f"parallel_user_plan_{Path(origin).stem}", "__file__": origin}
+    try:
+        exec(compile(text, origin, "exec"), namespace)  # a file the user put in a plan folder, like a custom node
+    except Exception as exc:
+        raise UserPlanError(f"user plan file {origin}: {type(exc).__name__}: {exc}") from exc
+    plans = namespace.get("PLANS", (namespace["PLAN"],) if "PLAN" in namespace else None)
+    if not isinstance(plans, (tuple, list)) or not plans:
+        raise UserPlanError(f"user plan file {origin}: it sets neither PLAN (a ModelPlan) nor PLANS (a tuple of them)")
+    built = []
+    for plan in plans:
+        if not isinstance(plan, ModelPlan):
+            raise UserPlanError(f"user plan file {origin}: {plan!r} is not a ModelPlan")
+        if plan.kind != "transformer":
+            raise UserPlanError(f"user plan file {origin}: plan '{plan.family}' has kind '{plan.kind}'; user plans "
+                                "are for transformers (Shard Transformer) only")
+        if plan.family in builtin_families:
+            raise UserPlanError(f"user plan file {origin}: the family name '{plan.family}' is a built-in plan's; "
+                                "give the plan a name of its own")
+        taken = [c for c in plan.classes if c in builtin_classes]
+        if taken or not plan.classes or not all(isinstance(c, str) and "." in c for c in plan.classes):
+            why = (f"{taken[0]} is covered by the built-in plan '{builtin_classes[taken[0]]}'" if taken
+                   else "classes must be qualified class names, e.g. 'my_pack.model.MyDiT'")
+            raise UserPlanError(f"user plan file {origin}: plan '{plan.family}': {why}")
+        built.append(dataclasses.replace(plan, source=(origin, text)))
+    return tuple(built)
+
+
+def refresh(folders, builtin_families: set[str], builtin_classes: dict[str, str]) -> list[str]:
+    """Read the plan files of ``folders`` that are new or changed (files gone drop their plans).
+    Returns the errors of files that give no plans, one line each (they are logged too)."""
+    seen = set()
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*.py")) if Path(folder).is_dir() else ():
+            key = str(path.resolve())
+            seen.add(key)
+            text = path.read_text(encoding="utf-8")
+            if key in _FILES and _FILES[key][0] == _stamp(text):
+                continue
+            _forget(key)
+            try:
+                plans = build(text, key, builtin_families, builtin_classes)
+                clash = [p.family for p in plans if p.family in _PLANS]
+                if clash:
+                    raise UserPlanError(f"user plan file {key}: the family name '{clash[0]}' is taken by "
+                                        f"{_PLANS[clash[0]].source[0]}")
+            except UserPlanError as exc:
+                log.error("%s", exc)
+                _FILES[key] = (_stamp(text), (), str(exc))
+                continue
+            for plan in plans:
+                _PLANS[plan.family] = plan
+            _FILES[key] = (_stamp(text), tuple(p.family for p in plans), None)
+            log.info("user plan file %s: %s", key, ", ".join(f"{p.family} ({', '.join(p.classes)})" for p in plans))
+    for key in [k for k in _FILES if k not in seen]:
+        _forget(key)
+    return [error for _, _, error in _FILES.values() if error]
+
+
+def _forget(key: str) -> None:
+    _, families, _ = _FILES.pop(key, ("", (), None))
+    for family in families:
+        _PLANS.pop(family, None)
+
+
+def plans() -> tuple[ModelPlan, ...]:
+    return tuple(_PLANS.values())
+
+
+def find(class_name: str) -> ModelPlan | None:
+    """The user plan whose ``classes`` name this qualified class name, exactly or as a glob
+    (``*my_pack.model.MyDiT``: ComfyUI imports a custom node pack under its folder's path)."""
+    for plan in _PLANS.values():
+        if any(fnmatch.fnmatchcase(class_name, pattern) for pattern in plan.classes):
+            return plan
+    return None
+
+
+def plan(family: str) -> ModelPlan | None:
+    return _PLANS.get(family)
+
+
+def wire(plan: ModelPlan):
+    """How a plan travels to the workers: a built-in plan by its family name, a user plan as
+    ``(family, origin, text)``."""
+    return plan.family if plan.source is None else (plan.family, *plan.source)
+
+
+def from_wire(value, builtin: dict[str, ModelPlan]) -> ModelPlan:
+    """The plan ``wire`` sent: a built-in one by name, a user plan built from its text (once per text)."""
+    if isinstance(value, str):
+        return builtin[value]
+    family, origin, text = value
+    known = _PLANS.get(family)
+    if known is None or known.source != (origin, text):
+        for built in build(text, origin, set(builtin), {}):
+            _PLANS[built.family] = built
+    return _PLANS[family]
