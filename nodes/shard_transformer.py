@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from ..parallel_runtime.comfyui_glue.patcher import Sharding, sharded_patcher
 from ..parallel_runtime.comfyui_glue.wrappers import (DIFFUSION_MODEL, OUTER_SAMPLE, WRAPPER_KEY, ShardedForward,
-                                                      ShardedRun)
+                                                      ShardedModelForward, ShardedRun, forward_method)
 from ..parallel_runtime.config import ConfigError, ParallelConfig
 from ..parallel_runtime.plans import check_plan_matches, find_plan, supported_models_text
 from ..parallel_runtime.plans.base import PlanMismatch
@@ -23,6 +23,7 @@ from ..parallel_runtime.comfyui_glue.user_plans import plan_folders, refresh as 
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Transformer"
+FORWARD_PATCH = "diffusion_model.forward"  # the object patch of a model whose class has no _forward
 
 
 def check_model(diffusion_model, config: ParallelConfig):
@@ -101,9 +102,15 @@ class ShardTransformerNode(io.ComfyNode):
             patched = model.clone()
         for kind in (DIFFUSION_MODEL, OUTER_SAMPLE):
             patched.remove_wrappers_with_key(kind, WRAPPER_KEY)  # a second Shard Transformer replaces the first
+        if isinstance(patched.object_patches.get(FORWARD_PATCH), ShardedModelForward):
+            del patched.object_patches[FORWARD_PATCH]
         if parallel_config.world_size > 1:
             first_step = FirstStep(verify) if verify else None
             patched.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, ShardedRun(parallel_config, first_step))
-            patched.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY,
-                                         ShardedForward(parallel_config, plan.family, first_step))
+            if forward_method(diffusion_model) == "_forward":
+                patched.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY,
+                                             ShardedForward(parallel_config, plan.family, first_step))
+            else:  # the class's forward runs no DIFFUSION_MODEL wrappers: the forward itself is replaced
+                patched.add_object_patch(FORWARD_PATCH, ShardedModelForward(
+                    parallel_config, plan.family, patched.model.diffusion_model, first_step))
         return io.NodeOutput(patched)

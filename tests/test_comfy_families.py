@@ -186,6 +186,32 @@ def test_ltx2_i2v_keyframe_under_every_layout(tiny_server, layout, family):
     assert all(status(tiny_server)["mesh"][dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
 
 
+# ERNIE-Image: its attention takes no transformer_options (the plan routes a module global) and its
+# forward runs no DIFFUSION_MODEL wrappers (Shard Transformer replaces the forward): the layouts the
+# per-family runs leave out, and TP 4 with its share of the weights per rank.
+ERNIE_FAMILIES = [f for f in ("ernie_image",) if f in FAMILIES]
+ERNIE_LAYOUTS = {**MORE_LAYOUTS, "tp4": {"tp_size": 4, "devices": "cpu,cpu,cpu,cpu"}}
+ERNIE_TP4_BYTES_LIMIT = 0.27
+
+
+@pytest.mark.parametrize("layout,family", [(layout, f) for layout in ERNIE_LAYOUTS for f in ERNIE_FAMILIES],
+                         ids=[f"{layout}-{f}" for layout in ERNIE_LAYOUTS for f in ERNIE_FAMILIES])
+def test_ernie_image_under_every_layout(tiny_server, layout, family):
+    parallel = ERNIE_LAYOUTS[layout]
+    ref = reference(tiny_server, family)
+    out = final_latents(tiny_server, family_prompt(family, parallel))
+    err = max_error(out, ref)
+    info = status(tiny_server)
+    line = f"\n{family} {layout}: max abs err {err:.2e}"
+    if layout == "tp4":
+        shares = [r["param_bytes"] / file_bytes(tiny_server, family) for r in info["ranks"]]
+        line += f"; weights per rank / file = {[round(s, 3) for s in shares]}"
+        assert len(shares) == 4 and max(shares) <= ERNIE_TP4_BYTES_LIMIT and min(shares) > 0
+    print(line)
+    assert err <= TOL
+    assert all(info["mesh"][dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
+
+
 def updated_prompt(family: str, change: str) -> dict:
     prompt = family_prompt(family, {"ulysses_size": 2})
     prompt["1"] = {"class_type": "SimulatedUpdateUNETLoader", "inputs": {"unet_name": file_name(family),

@@ -264,6 +264,16 @@ ALL_FAMILIES = {
                                 theta=10000),
                            dict(VIDEO_LATENT, inputs=dict(VIDEO_LATENT["inputs"], length=1)),
                            needs="comfy.ldm.joyimage.model"),
+    # Image tokens then text tokens, one joint sequence (35 + 7 = 42: USP 2x2 pads it). Its attention
+    # takes no transformer_options (the plan names the module global). Four heads of 64, RoPE axes
+    # 16 + 24 + 24; 128 latent channels at 1/16 (FLUX.2's latent format).
+    "ernie_image": TinyFamily("comfy.ldm.ernie.model.ErnieImageModel",
+                              dict(hidden_size=256, num_attention_heads=4, num_layers=3, ffn_hidden_size=1024,
+                                   in_channels=128, out_channels=128, patch_size=1, text_in_dim=TEXT_DIM,
+                                   rope_theta=256, rope_axes_dim=[16, 24, 24]),
+                              {"class_type": "EmptyFlux2LatentImage",
+                               "inputs": {"width": 80, "height": 112, "batch_size": 1}},
+                              needs="comfy.ldm.ernie.model"),
     # Pixel space: 8 x 8 patches of an 80 x 112 image, 35 tokens.
     "chroma_radiance": TinyFamily("comfy.ldm.chroma_radiance.model.ChromaRadiance",
                                   dict(FLUX_LIKE, in_channels=3, out_channels=3, context_in_dim=TEXT_DIM, patch_size=8,

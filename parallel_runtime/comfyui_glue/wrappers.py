@@ -8,6 +8,10 @@
 - ``DIFFUSION_MODEL`` (every forward): dispatches the forward to all ranks and
   runs rank 0's shard under the model's context-parallel plan.
 
+A model class whose ``forward`` runs no DIFFUSION_MODEL wrappers (it has no ``_forward``:
+ERNIE-Image) gets ``ShardedModelForward`` instead, as its ``forward`` through an object patch
+(``forward_method`` tells them apart by the class, never by the family).
+
 Both are plain callables holding the config; they carry no ``.to`` method, so
 ComfyUI's cast of wrappers leaves them alone.
 """
@@ -89,6 +93,38 @@ class ShardedForward:
         return out
 
 
+def forward_method(module) -> str:
+    """The method a sharded forward runs: ``_forward`` where the class's ``forward`` runs ComfyUI's
+    DIFFUSION_MODEL wrappers around it (``ShardedForward`` is one), else ``forward`` itself (the
+    class has no ``_forward``; ``ShardedModelForward`` stands in for it)."""
+    return "_forward" if callable(getattr(type(module), "_forward", None)) else "forward"
+
+
+class ShardedModelForward:
+    """Installed (by an object patch on the sharded ModelPatcher) as the ``forward`` of a diffusion
+    model whose class runs no DIFFUSION_MODEL wrappers: every call runs on all ranks, as
+    ``ShardedForward`` runs the others'. ``module``: the diffusion model of the patcher that carries
+    the patch (the instance the patch is set on)."""
+
+    def __init__(self, config: ParallelConfig, family: str, module, first_step=None):
+        self.config = config
+        self.family = family
+        self.module = module
+        self.first_step = first_step
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        forward = type(module).forward.__get__(module)
+        world = RUNTIME.world_for(self.config)
+        plan = plan_for_family(self.family)
+        compile = _transformer_options(module, args, kwargs).get(COMPILE_OPTION)
+        with interrupts.deferred():
+            out = world.forward(module, plan, forward, args, kwargs, source=source_of(module), compile=compile)
+        if self.first_step is not None and self.first_step.pending:
+            self.first_step.check(plan.title, out, lambda: forward(*args, **kwargs))
+        return out
+
+
 class ShardedEncoderForward:
     """Installed (by an object patch on the CLIP's ModelPatcher) as a text encoder's
     ``forward``: every call runs on all ranks, each with its slice of the encoder."""
@@ -137,7 +173,7 @@ class ShardedFirstStage:
 
 def _transformer_options(module, args, kwargs) -> dict:
     """The forward's transformer_options, passed by keyword or by position (Wan's forward)."""
-    bound = inspect.signature(type(module)._forward).bind(module, *args, **kwargs)
+    bound = inspect.signature(getattr(type(module), forward_method(module))).bind(module, *args, **kwargs)
     return arguments.get_options(bound) or {}
 
 

@@ -5,9 +5,13 @@ into this rank's share of each token stream, make the attention sites context-pa
 ComfyUI's ``optimized_attention_override``) and gather the outputs back; a guard on every hooked
 module refuses an argument the plan does not know. An attention site's streams are either one joint
 sequence attending to itself or, as a pair of stream tuples, queries from some split streams over
-keys and values from others (``site_layouts``). The hooks live for the duration of one forward
-and are removed afterwards, so the module ComfyUI owns is left untouched. The plans themselves are
-declarations (``plans/``).
+keys and values from others (``site_layouts``). A model whose attention call does not pass
+``transformer_options`` (so the override cannot reach it) names the module global it calls in its
+plan's ``attention_globals``: for the forward that global is a stand-in that routes the calls made
+inside the plan's attention sites the same way (``routed_attention``), and a site of such a plan
+whose attention reached neither is refused. The hooks and stand-ins live for the duration of one
+forward and are removed afterwards, so the module ComfyUI owns is left untouched. The plans
+themselves are declarations (``plans/``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from . import arguments, scoped_hooks
 from .attention import JointLayout, SequenceParallel, context_parallel_attention
 from .sequence import SeqShard, gather_chunks, take_chunk, weighted_sizes
 from ..plans.base import Gather, ModelPlan, PlanMismatch, Split, comfyui_release
-from ..plans.matching import forward_signature, matching_modules, on_item, replace_arguments
+from ..plans.matching import (attention_global_holder, forward_signature, matching_modules, on_item,
+                              replace_arguments)
 
 
 OVERRIDE_KEY = "optimized_attention_override"
@@ -42,6 +47,7 @@ class ForwardContext:
         self.distributed_attention = distributed_attention
         self.streams: dict[str, SeqShard] = {}
         self.cp_sites: list[tuple[str, ...]] = []  # stack of the attention sites being executed
+        self.site_calls: list[int] = []  # attention calls made inside each of them (``_leave_site`` checks)
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._converted: dict[int, tuple[object, object]] = {}  # Split.convert's results, once per object
         self._layouts: dict[tuple[str, ...], JointLayout] = {}
@@ -166,6 +172,8 @@ class ForwardContext:
 
     def attend(self, previous, func, args, kwargs):
         attend = func if previous is None else functools.partial(previous, func)
+        if self.site_calls:
+            self.site_calls[-1] += 1
         if self.cp_sites and self.parts > 1 and self.distributed_attention:
             q_layout, kv_layout = self.site_layouts(self.cp_sites[-1])
             return context_parallel_attention(attend, args, kwargs, sp=self.sp, layout=q_layout, kv_layout=kv_layout)
@@ -183,6 +191,34 @@ def attention_override(func, *args, **kwargs):
     (it communicates), and finding the forward's state in ``_RUNNING``."""
     ctx, previous = _RUNNING[-1]
     return ctx.attend(previous, func, args, kwargs)
+
+
+# id(original attention function) -> (that function, its stand-in): one stand-in per function, so a
+# compiled block's guard on the module global holds from step to step.
+_ROUTED: dict[int, tuple[object, object]] = {}
+
+
+def routed_attention(original):
+    """The stand-in for an attention function a model calls without ``transformer_options``
+    (``ContextParallelPlan.attention_globals``): inside a context-parallel forward, a call from one
+    of the plan's attention sites is distributed as the override distributes the other families'
+    calls. The forward's own override (SageAttention's, say) is not chained: the model never sees
+    it unsharded either. A call that does bring transformer_options goes to the original, whose
+    override is then ours."""
+    known = _ROUTED.get(id(original))
+    if known is not None and known[0] is original:
+        return known[1]
+
+    @torch._dynamo.disable
+    def attention(*args, **kwargs):
+        if not _RUNNING or kwargs.get("transformer_options") is not None:
+            return original(*args, **kwargs)
+        return _RUNNING[-1][0].attend(None, original, args, kwargs)
+
+    attention.__wrapped__ = original
+    attention.__name__ = getattr(original, "__name__", "attention")
+    _ROUTED[id(original)] = (original, attention)
+    return attention
 
 
 def _cut_nested(container, cut) -> None:
@@ -260,12 +296,24 @@ def _gather_hook(ctx: ForwardContext, spec: Gather):
 def _enter_site(ctx: ForwardContext, streams: tuple[str, ...]):
     def hook(module, args):
         ctx.cp_sites.append(streams)
+        ctx.site_calls.append(0)
     return hook
 
 
-def _leave_site(ctx: ForwardContext):
+def _leave_site(ctx: ForwardContext, plan: ModelPlan, site: str):
+    """With ``attention_globals``, a site whose attention never reached the distributed attention
+    (ComfyUI now calls it some other way) is refused: it attended its local tokens only."""
     def hook(module, args, output):
         ctx.cp_sites.pop()
+        calls = ctx.site_calls.pop()
+        if calls == 0 and plan.context_parallel.attention_globals:
+            names = ", ".join(f"{g.module}.{g.name}" for g in plan.context_parallel.attention_globals)
+            raise PlanMismatch(
+                f"{plan.title}: the attention of {site} ({type(module).__name__}) did not go through {names} nor "
+                f"ComfyUI's attention override, where the pack's {plan.family} plan distributes it: {comfyui_release()} "
+                "calls it differently, and each rank would attend only its own tokens. Refused rather than computing a "
+                "wrong result; run this model without Shard Transformer on this ComfyUI, or use a pack release that "
+                "knows it")
     return hook
 
 
@@ -286,8 +334,14 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
     transformer_options = arguments.get_options(bound)
     _defer_call_inputs(ctx, plan, bound)
     handles = []
+    stand_ins = scoped_hooks.Overrides()
     try:
         handles = _install_hooks(ctx, plan, root)
+        for spec in plan.context_parallel.attention_globals:
+            module = attention_global_holder(plan, spec)
+            current = module.__dict__[spec.name]
+            if not any(current is routed for _, routed in _ROUTED.values()):
+                stand_ins.set(module, spec.name, routed_attention(current))
         had_override = OVERRIDE_KEY in transformer_options
         previous = transformer_options.get(OVERRIDE_KEY)
         transformer_options[OVERRIDE_KEY] = attention_override
@@ -301,6 +355,7 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
             else:
                 transformer_options.pop(OVERRIDE_KEY, None)
     finally:
+        stand_ins.restore()
         for h in handles:
             h.remove()
 
@@ -340,9 +395,9 @@ def _install_hooks(ctx: ForwardContext, plan: ModelPlan, root: torch.nn.Module) 
             for name, mod in matching_modules(root, pattern):
                 handles.append(scoped_hooks.pre_hook(mod, _split_hook(ctx, splits, name), with_kwargs=True))
         for pattern, streams in cp.attention.items():
-            for _, mod in matching_modules(root, pattern):
+            for name, mod in matching_modules(root, pattern):
                 handles.append(scoped_hooks.pre_hook(mod, _enter_site(ctx, streams)))
-                handles.append(scoped_hooks.post_hook(mod, _leave_site(ctx)))
+                handles.append(scoped_hooks.post_hook(mod, _leave_site(ctx, plan, name)))
         for pattern, spec in cp.outputs.items():
             for _, mod in matching_modules(root, pattern):
                 handles.append(scoped_hooks.post_hook(mod, _gather_hook(ctx, spec)))

@@ -85,3 +85,25 @@ def pre_hook(module: torch.nn.Module, hook, *, with_kwargs: bool = False) -> Sco
 def post_hook(module: torch.nn.Module, hook) -> ScopedHandle:
     """Like ``register_forward_hook`` (without kwargs), until the handle is removed."""
     return _add(module, "post", hook, False)
+
+
+class Overrides:
+    """Attributes set for one call and put back as they were: instance attributes of modules (the
+    VAE bands' convs and norms) and module globals (a Python module's ``__dict__`` is its globals:
+    a plan's ``call_globals`` and ``attention_globals``)."""
+
+    def __init__(self):
+        self._saved = []
+
+    def set(self, obj, name: str, value) -> None:
+        had = name in obj.__dict__
+        self._saved.append((obj, name, had, obj.__dict__.get(name)))
+        obj.__dict__[name] = value
+
+    def restore(self) -> None:
+        while self._saved:
+            obj, name, had, old = self._saved.pop()
+            if had:
+                obj.__dict__[name] = old
+            else:
+                obj.__dict__.pop(name, None)

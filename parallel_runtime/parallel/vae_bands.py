@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .scoped_hooks import Overrides
 from .sequence import weighted_sizes
 from ..distributed import comm
 from ..plans.base import ModelPlan
@@ -387,29 +388,9 @@ def _norm_weights(norm: torch.nn.Module, x: torch.Tensor):
 
 
 # ---------------------------------------------------------------- installing the overrides
-class _Overrides:
-    """Instance attributes set for one call and put back as they were."""
-
-    def __init__(self):
-        self._saved = []
-
-    def set(self, obj, name: str, value) -> None:
-        had = name in obj.__dict__
-        self._saved.append((obj, name, had, obj.__dict__.get(name)))
-        obj.__dict__[name] = value
-
-    def restore(self) -> None:
-        while self._saved:
-            obj, name, had, old = self._saved.pop()
-            if had:
-                obj.__dict__[name] = old
-            else:
-                obj.__dict__.pop(name, None)
-
-
 @contextlib.contextmanager
 def _banded(root: torch.nn.Module, bands: BandPlan, convs, run: _BandRun):
-    overrides = _Overrides()
+    overrides = Overrides()
     try:
         for conv, rows in convs:
             if rows.row_local:

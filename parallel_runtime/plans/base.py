@@ -96,6 +96,20 @@ class Gather:
     item: int | None = None  # the output is a tuple (a block returning (img, txt)): gather this element
 
 
+@dataclass(frozen=True)
+class AttentionGlobal:
+    """The module global ``module.name`` through which a model calls attention without passing
+    ``transformer_options`` (ERNIE-Image's ``optimized_attention(q, k, v, heads, mask=...)``), so
+    ComfyUI's ``optimized_attention_override`` never reaches it. For one sharded forward the engine
+    replaces it, on every rank, with a function that routes the calls made inside the plan's
+    attention sites to the distributed attention the other families get through the override, and
+    puts the original back afterwards (also on error). ``matching.check_plan_matches`` refuses a
+    model whose module no longer holds it."""
+
+    module: str
+    name: str = "optimized_attention"
+
+
 # The ComfyUI releases the whole test suite runs on (tools/host.py installs each).
 TESTED_RELEASES = ("0.3.75", "0.33.0")
 
@@ -120,6 +134,10 @@ class ContextParallelPlan:
     # depend on the token split and pass on unchanged. Any other argument that arrives with a value
     # means ComfyUI changed the model since the plan was written: refused, named (never computed).
     passed: frozenset[str] = frozenset()
+    # Module globals through which the model calls attention without transformer_options
+    # (``AttentionGlobal``): replaced for the duration of one sharded forward, so the plan's
+    # attention sites reach the distributed attention all the same.
+    attention_globals: tuple[AttentionGlobal, ...] = ()
 
 
 @dataclass(frozen=True)

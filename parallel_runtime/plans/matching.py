@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import sys
 import weakref
 
 import torch
 
-from .base import ModelPlan, PlanMismatch, comfyui_release
+from .base import AttentionGlobal, ModelPlan, PlanMismatch, comfyui_release
 from .tensor_parallel import Layer, TensorParallelError, TensorParallelPlan
 
 
@@ -112,12 +113,15 @@ def matching_modules(root: torch.nn.Module, pattern: str) -> list[tuple[str, tor
 def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
     """The model is built the way the plan was written for: every pattern names a module (a
     plan that silently matched nothing would leave attention local-only), and every argument the
-    plan cuts is still a parameter of the forward it hooks (or a cut would silently not happen)."""
+    plan cuts is still a parameter of the forward it hooks (or a cut would silently not happen), and
+    every attention global the plan routes is still where the model calls it."""
     cp = plan.context_parallel
     for pattern in (*cp.inputs, *cp.outputs, *cp.attention):
         if not matching_modules(root, pattern):
             raise PlanMismatch(f"{plan.title} plan: no module matches '{pattern}' in {type(root).__name__} of "
                                f"{comfyui_release()}; this model variant is not covered by the plan")
+    for spec in cp.attention_globals:
+        attention_global_holder(plan, spec)
     for pattern, splits in cp.inputs.items():
         for name, module in matching_modules(root, pattern):
             _, var_kw, named = forward_signature(module)
@@ -129,6 +133,19 @@ def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
                     "builds the model differently from what the plan was written for. Refused rather than computing "
                     "a wrong result; run this model without Shard Transformer here, or use a pack release that "
                     "knows it")
+
+
+def attention_global_holder(plan: "ModelPlan", spec: AttentionGlobal):
+    """The Python module holding ``spec``'s attention function, or PlanMismatch: a model whose
+    attention no stand-in can reach would attend its local tokens only."""
+    module = sys.modules.get(spec.module)
+    if module is None or not callable(module.__dict__.get(spec.name)):
+        raise PlanMismatch(
+            f"{plan.title}: the pack's {plan.family} plan routes attention through {spec.module}.{spec.name}, which "
+            f"{comfyui_release()} does not have: this ComfyUI calls the model's attention differently, and it would "
+            "silently attend only each rank's own tokens. Refused rather than computing a wrong result; run this "
+            "model without Shard Transformer on this ComfyUI, or use a pack release that knows it")
+    return module
 
 
 def layer_specs(root: torch.nn.Module, plan: TensorParallelPlan) -> list[tuple[str, torch.nn.Module, Layer]]:
