@@ -237,3 +237,35 @@ def test_a_block_called_with_an_unknown_argument_is_refused(tiny_server):
     print(f"\n{message[:600]}")
     assert "blocks.0 (WanAttentionBlock) was called with 'token_mask'" in message
     assert "Refused rather than computing a wrong result" in message
+
+
+# MiniMax-H3: video with audio packed into one sequence (text, audio, video segments with their own
+# RoPE positions and modulation rows), under the layouts the per-family runs leave out, both
+# latents compared; and TP 4's share of the weights per rank.
+MINIMAX_FAMILIES = [f for f in ("minimax_h3",) if f in FAMILIES]
+TP4_BYTES_LIMIT = 0.27
+
+
+@pytest.mark.parametrize("layout,family", [(layout, f) for layout in MORE_LAYOUTS for f in MINIMAX_FAMILIES],
+                         ids=[f"{layout}-{f}" for layout in MORE_LAYOUTS for f in MINIMAX_FAMILIES])
+def test_minimax_h3_video_with_audio_under_every_layout(tiny_server, layout, family):
+    parallel = MORE_LAYOUTS[layout]
+    ref = reference(tiny_server, family)
+    out = final_latents(tiny_server, family_prompt(family, parallel))
+    err = max_error(out, ref)
+    print(f"\n{family} {layout}: max abs err {err:.2e}")
+    assert len(out) == len(ref) == 2  # the audio and the video latent
+    assert err <= TOL
+    assert all(status(tiny_server)["mesh"][dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
+
+
+@pytest.mark.parametrize("family", MINIMAX_FAMILIES)
+def test_tp4_weights_per_rank(tiny_server, family):
+    ref = reference(tiny_server, family)
+    out = final_latents(tiny_server, family_prompt(family, {"tp_size": 4, "devices": "cpu,cpu,cpu,cpu"}))
+    err = max_error(out, ref)
+    info = status(tiny_server)
+    shares = [r["param_bytes"] / file_bytes(tiny_server, family) for r in info["ranks"]]
+    print(f"\n{family} tp4: max abs err {err:.2e}; weights per rank / file = {[round(s, 3) for s in shares]}")
+    assert err <= TOL and info["mesh"]["tp"] == 4
+    assert len(shares) == 4 and max(shares) <= TP4_BYTES_LIMIT and min(shares) > 0

@@ -249,3 +249,76 @@ def test_ltxav_weighted_split(world, ltxav_built):
     err, rel = max_errors(run_ltxav(world, model, args, kwargs, weights=weights), ref)
     print(f"\nltxav_t2v_audio weighted {weights} on {world.config.describe()}: max abs err {err:.2e}, rel {rel:.2e}")
     assert err <= TOL
+
+
+def test_a_table_of_spans_is_cut_to_each_ranks_chunk():
+    """``Split.spans`` (MiniMax-H3's per-segment modulation table): each rank gets the parts of the
+    spans inside its chunk at local positions, per-token tensors cut alike, other items unchanged;
+    the ranks' parts cover every token of every span exactly once, whatever the split."""
+    from parallel_runtime.parallel.attention import SequenceParallel
+    from parallel_runtime.parallel.context_parallel import ForwardContext
+    from parallel_runtime.plans.base import Split
+
+    total = 23
+    rows = torch.arange(100, 112)
+    spans = [(0, 7, 1), (7, 11, 5), (11, 23, rows)]
+    spec = Split("mod_segments", spans=True)
+    for parts, weights in ((2, None), (4, None), (3, (1.0, 3.0, 1.0))):
+        owner = {}
+        for index in range(parts):
+            sp = SequenceParallel(None, parts, index, None, 1, 0)
+            ctx = ForwardContext(sp, None, weights=weights)
+            shard = ctx.start_stream("x", total)
+            local = ctx.cut_spans(spans, spec, "blocks.0")
+            assert ctx.cut_spans(spans, spec, "blocks.1") is local  # once per table
+            for a, b, row in local:
+                assert 0 <= a < b <= shard.valid
+                for i in range(a, b):
+                    token = shard.start + i
+                    owner[token] = owner.get(token, []) + [row if isinstance(row, int) else int(row[i - a])]
+        assert owner == {t: [1] if t < 7 else [5] if t < 11 else [100 + t - 11] for t in range(total)}
+    ctx = ForwardContext(SequenceParallel(None, 2, 0, None, 1, 0), None)
+    ctx.start_stream("x", total)
+    with pytest.raises(RuntimeError, match="not one per token"):
+        ctx.cut_spans([(11, 23, rows[:5])], spec, "blocks.0")
+    with pytest.raises(RuntimeError, match="outside the 23 tokens"):
+        ctx.cut_spans([(20, 30, 0)], spec, "blocks.0")
+
+
+def minimax_h3_case(masks: bool):
+    """A tiny MiniMax-H3 (four heads of 64, two blocks, a 1-block token refiner) on 5 latent frames of
+    3 x 2 tokens and 9 stereo audio frames (18 rows) with 6 text tokens (54 packed tokens); the text
+    enters unrefined, so the refiner runs in the forward. ``masks``: denoise masks on both streams
+    that give every video patch row and every audio frame its own timestep (per-token modulation
+    rows in the segment table and in the final layer)."""
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+
+    model = seeded(MiniMaxH3Model(hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attention_heads=4,
+                                  attention_head_dim=64, ffn_hidden_size=512, text_dim=64, timestep_input_dim=64,
+                                  time_embed_hidden_size=256, time_embed_dim=64, rope_inv_freq_len=8,
+                                  dtype=torch.float32, device="cpu", operations=OPS), seed=170).requires_grad_(False)
+    with torch.no_grad():  # (its fused RoPE kernel refuses weights that require grad, as ComfyUI's never do)
+        model.rope.inv_freq.copy_(1.0 / 10000.0 ** (torch.arange(8) / 8))
+        for name, p in model.named_parameters():
+            if "adaln_proj" in name:
+                p.mul_(10.0)
+    x = [randn(1, 24, 5, 4, 6, seed=171), randn(1, 32, 2, 9, seed=172)]
+    kwargs = {"minimax_payload": {}}
+    if masks:
+        kwargs["denoise_mask"] = torch.linspace(0.1, 1.0, 5 * 4 * 6).reshape(1, 1, 5, 4, 6)
+        kwargs["audio_denoise_mask"] = torch.linspace(0.2, 1.0, 18).reshape(1, 1, 2, 9)
+    return model, (x, torch.tensor([700.0]), randn(1, 6, 64, seed=173)), kwargs
+
+
+@pytest.mark.skipif(not available("comfy.ldm.minimax.model"), reason="this ComfyUI has no MiniMax-H3")
+@pytest.mark.parametrize("masks", [False, True], ids=["t2va", "denoise_masks"])
+def test_minimax_h3_matches_single_process(world, masks):
+    model, args, kwargs = minimax_h3_case(masks)
+    with torch.inference_mode():
+        ref = model._forward(*args, **kwargs, transformer_options={})
+    err, rel = max_errors(run(world, model, args, kwargs), ref)
+    print(f"\nminimax_h3 {'masks' if masks else 't2va'} on {world.config.describe()}: max abs err {err:.2e}, "
+          f"rel {rel:.2e}")
+    assert err <= TOL
+    if world.config.ring_size > 1 or world.config.ulysses_size > 1:  # with attention local only: wrong
+        assert max_errors(run(world, model, args, kwargs, distributed_attention=False), ref)[1] > 1e-3

@@ -56,6 +56,25 @@ def test_tuple_types_round_trip():
     assert type(back["pair"]) is Pair and back["pair"].b == 7 and torch.equal(back["pair"].a, torch.ones(1))
 
 
+def test_comfyui_data_objects_round_trip_and_others_are_refused():
+    """A data object of ComfyUI's own (MiniMax-H3's PackedLayout in its conditioning) travels as its
+    class and attributes, tensors by broadcast; one holding a callable is refused by its path."""
+    import types
+
+    cls = type("PackedLayout", (), {"__module__": "comfy.ldm.fake_family"})
+    obj = cls()
+    obj.position_ids, obj.segments, obj.signature = torch.arange(6.0), [(0, 2, "text"), (2, 6, "video")], (2, 4)
+    tensors = []
+    back = protocol.unflatten(protocol.flatten({"layout": obj}, tensors), tensors)["layout"]
+    assert type(back) is cls and len(tensors) == 1 and torch.equal(back.position_ids, obj.position_ids)
+    assert back.segments == obj.segments and back.signature == (2, 4)
+    obj.hook = lambda: 0
+    with pytest.raises(protocol.UnsupportedInput, match=r"input\['layout'\]\.hook is a builtins.function"):
+        protocol.flatten({"layout": obj}, [])
+    with pytest.raises(protocol.UnsupportedInput, match="types.SimpleNamespace"):  # not ComfyUI's
+        protocol.flatten(types.SimpleNamespace(a=1), [])
+
+
 def test_objects_that_cannot_reach_workers_are_named():
     with pytest.raises(protocol.UnsupportedInput, match=r"input\[1\]\['hook'\] is a builtins.function"):
         protocol.flatten(((), {"hook": lambda: 0}), [])

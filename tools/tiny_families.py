@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -117,6 +118,28 @@ REFINER_NODES = {"24": {"class_type": "EmptyHunyuanVideo15Latent",
 HV15_SR_LATENT = {"class_type": "HunyuanVideo15SuperResolution", "inputs": {
     "positive": ["4", 1], "negative": ["5", 0], "latent": ["24", 0], "noise_augmentation": 0.7}}
 HV15_SR_NODES = {"24": HV15_LATENT}
+# MiniMax-H3's video + audio latent from ComfyUI's own node: 24 channels at 1/16 (3 x 2 tokens a
+# frame after the 2 x 2 patches) over 7 latent frames (22 frames at 24 fps), and 37 audio frames
+# of 2 stereo rows (74 tokens); with the 7 text tokens one packed sequence of 123.
+MINIMAX_H3_LATENT = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 96, "height": 64, "length": 22}}
+# Four heads of 64, a 1-block token refiner, a 64-wide time embedding (the modulation projections
+# of the blocks are most of the weights, as in the real model); RoPE over 3 x 8 frequencies (48 of
+# each head's 64 dimensions, the real model's 96 of 128 rotate).
+MINIMAX_H3_CONFIG = dict(hidden_size=256, num_layers=6, token_refiner_num_layers=1, num_attention_heads=4,
+                         attention_head_dim=64, ffn_hidden_size=512, text_dim=TEXT_DIM, timestep_input_dim=64,
+                         time_embed_hidden_size=256, time_embed_dim=64, rope_inv_freq_len=8)
+
+
+def minimax_h3_prepare(model: torch.nn.Module) -> None:
+    """The RoPE frequencies are a buffer, not a seeded parameter: the usual inverse powers. The
+    modulation projections ten times the seeded scale: each segment's own modulation rows (text,
+    audio, video) then move the result as a trained model's do, so a rank that modulated its tokens
+    with another segment's rows would show."""
+    n = model.rope.inv_freq.shape[0]
+    model.rope.inv_freq.copy_(1.0 / 10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
+    for name, p in model.named_parameters():
+        if ".adaln_proj." in f".{name}":
+            p.mul_(10.0)
 
 
 @dataclass(frozen=True)
@@ -133,6 +156,8 @@ class TinyFamily:
     streams: tuple[str, ...] = ()
     # KSampler inputs taken from elsewhere: an I2V node's conditioning and latent outputs.
     sampler_inputs: dict = field(default_factory=dict)
+    # After the seeded weights: sets what they leave unset (buffers the state dict holds) or rescales them.
+    prepare: "Callable[[torch.nn.Module], None] | None" = None
 
     def build(self) -> torch.nn.Module:
         import comfy.ops
@@ -285,6 +310,10 @@ ALL_FAMILIES = {
                                   prompt=PROMPT_POOLED,
                                   constructor_only={"image_model": "chroma_radiance",
                                                     "nerf_embedder_dtype": torch.float32}),
+    # Video with audio in one packed sequence; the sampled latent saved per stream.
+    "minimax_h3": TinyFamily("comfy.ldm.minimax.model.MiniMaxH3Model", MINIMAX_H3_CONFIG, MINIMAX_H3_LATENT,
+                             needs="comfy.ldm.minimax.model", streams=("video", "audio"),
+                             prepare=minimax_h3_prepare),
 }
 
 
@@ -309,6 +338,9 @@ def family_state_dict(family: str, seed: int = 200) -> tuple[dict, dict]:
     spec = FAMILIES[family]
     model = spec.build()
     _seeded_([p for _, p in sorted(model.named_parameters())], seed + sorted(ALL_FAMILIES).index(family), scale=0.03)
+    if spec.prepare is not None:
+        with torch.no_grad():
+            spec.prepare(model)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     return stating_config(sd, "transformer", spec.config)
 

@@ -119,6 +119,36 @@ class ForwardContext:
         self._memo[id(t)] = (t, out)  # side inputs recur at every block: cut them once
         return out
 
+    def cut_spans(self, spans, spec: Split, site: str):
+        """This rank's part of a table of ``(start, stop, *rest)`` spans over a stream (``Split.spans``),
+        at local positions; per-token tensors in ``rest`` cut alike. Once per table: it recurs at every block."""
+        memo = self._memo.get(id(spans))
+        if memo is not None and memo[0] is spans:
+            return memo[1]
+        what = f"input '{spec.arg}' of {site}"
+        shard = self._stream(spec.stream, what)
+        out = []
+        for span in spans:
+            start, stop, *rest = span
+            if not 0 <= start <= stop <= shard.total:
+                raise RuntimeError(f"context parallel: {what} has a span {start}:{stop} outside the "
+                                   f"{shard.total} tokens of stream '{spec.stream}'")
+            lo, hi = max(start, shard.start), min(stop, shard.stop)
+            if lo >= hi:
+                continue
+            local = []
+            for item in rest:
+                if isinstance(item, torch.Tensor) and item.ndim:
+                    if item.shape[0] != stop - start:
+                        raise RuntimeError(f"context parallel: {what} has a span {start}:{stop} whose tensor has "
+                                           f"{item.shape[0]} entries, not one per token")
+                    item = item.narrow(0, lo - start, hi - lo)
+                local.append(item)
+            out.append((lo - shard.start, hi - shard.start, *local))
+        out = type(spans)(out)
+        self._memo[id(spans)] = (spans, out)
+        return out
+
     def convert(self, value, convert):
         """``convert(value)`` (``Split.convert``), once per object: side inputs recur at every block."""
         memo = self._converted.get(id(value))
@@ -278,6 +308,8 @@ def _guard_hook(plan: "ModelPlan", known: frozenset[str], site: str):
 
 def _split_hook(ctx: ForwardContext, splits: tuple[Split, ...], site: str):
     def cut(value, spec):
+        if spec.spans:
+            return ctx.cut_spans(value, spec, site) if isinstance(value, (list, tuple)) else None
         if spec.convert is not None and value is not None and not isinstance(value, (torch.Tensor, tuple)):
             value = ctx.convert(value, spec.convert)
         return on_item(value, spec.item, lambda t: ctx.split(t, spec, site))

@@ -31,7 +31,7 @@ def _gather_hook(group, size: int):
         local = output.movedim(-1, 0).contiguous()
         full = local.new_empty((local.shape[0] * size, *local.shape[1:]))
         comm.all_gather_into(full, local, group=group)
-        return full.movedim(0, -1)
+        return full.movedim(0, -1).contiguous()  # as the whole layer's output is (MiniMax-H3 views it)
     return hook
 
 

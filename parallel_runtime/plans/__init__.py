@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from . import (chroma_radiance, cogvideo, ernie, flux, hunyuan_video, joyimage, kandinsky5, krea2, ltxav, ltxv,
-               lumina, qwen_image, text_encoders, user, vae, wan)
+from . import (chroma_radiance, cogvideo, ernie, flux, hunyuan_video, joyimage, kandinsky5, krea2, ltxav, ltxv, lumina,
+               minimax_h3, qwen_image, text_encoders, user, vae, wan)
 from .base import ModelPlan
 from .matching import check_plan_matches
 
 PLANS: tuple[ModelPlan, ...] = (
     flux.FLUX, flux.CHROMA, wan.PLAN, wan.VACE, qwen_image.PLAN, hunyuan_video.PLAN, ltxv.PLAN, ltxav.PLAN,
-    lumina.PLAN, cogvideo.PLAN, kandinsky5.PLAN, krea2.PLAN, joyimage.PLAN, chroma_radiance.PLAN, ernie.PLAN,
+    lumina.PLAN, cogvideo.PLAN, kandinsky5.PLAN, krea2.PLAN, joyimage.PLAN, chroma_radiance.PLAN,
+    minimax_h3.PLAN, ernie.PLAN,
 )
 ENCODER_PLANS: tuple[ModelPlan, ...] = text_encoders.PLANS
 VAE_PLANS: tuple[ModelPlan, ...] = vae.PLANS

@@ -66,7 +66,12 @@ class Split:
     as an object a token split cannot cut (LTX-2 keeps per-token timesteps per frame in a
     ``CompressedTimestep``); ``convert(value)`` returns the tensor the module accepts in its place,
     full length along ``dim``, which is then cut like any other (a value it returns unchanged is
-    passed on as it came).
+    passed on as it came). ``spans``: the input is not a tensor but a table of spans over the
+    stream's tokens at absolute positions, a list of ``(start, stop, *rest)`` (MiniMax-H3's
+    per-segment modulation rows): each rank receives the parts of the spans that lie in its chunk,
+    at its local positions (spans outside it dropped, padding covered by none); an item of
+    ``rest`` that is a tensor with one entry per token of its span (a per-token row index) is cut
+    alike, any other item passes unchanged.
     """
 
     arg: str
@@ -79,6 +84,7 @@ class Split:
     prefix: bool = False
     item: int | None = None
     convert: Callable[[object], object] | None = None
+    spans: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,11 @@ so a forward costs a handful of collectives whatever the number of inputs.
 
 Only plain data can reach a worker: anything else (a callable patch from another
 node, an object with state) would run on rank 0 only and make the ranks diverge,
-so it is refused with the path of the offending entry.
+so it is refused with the path of the offending entry. A data object of ComfyUI's own
+(an instance of a ``comfy.*`` class, not callable, whose attributes are all plain data in
+turn: MiniMax-H3's ``PackedLayout`` in its conditioning) travels as its class and
+attributes and is rebuilt without calling its constructor; one with a callable or another
+object inside is refused like any other.
 """
 from __future__ import annotations
 
@@ -67,8 +71,17 @@ class UnsupportedInput(TypeError):
 # The spec is built from builtins only: a class of this pack pickled on rank 0 would
 # name the module path ComfyUI gave the pack, which a worker cannot import.
 # Nodes: ("t", index) tensor, ("v", value) plain value, ("d", [(key, node)]) dict,
-# ("l", [node]) list, ("u", [node]) tuple, ("n", cls, [node]) other tuple type.
-TENSOR, VALUE, DICT, LIST, TUPLE, NAMED = "t", "v", "d", "l", "u", "n"
+# ("l", [node]) list, ("u", [node]) tuple, ("n", cls, [node]) other tuple type, ("o", cls, [(attribute,
+# node)]) a data object of ComfyUI's.
+TENSOR, VALUE, DICT, LIST, TUPLE, NAMED, OBJECT = "t", "v", "d", "l", "u", "n", "o"
+
+
+def _comfy_data_object(obj) -> bool:
+    """An instance of one of ComfyUI's own classes (every rank imports them) holding only its
+    attributes: no callable, no module, nothing hidden in slots."""
+    cls = type(obj)
+    return (cls.__module__.split(".")[0] == "comfy" and not callable(obj) and not isinstance(obj, torch.nn.Module)
+            and not hasattr(cls, "__slots__") and isinstance(getattr(obj, "__dict__", None), dict))
 
 
 def flatten(obj, tensors: list, path: str = "input"):
@@ -85,6 +98,8 @@ def flatten(obj, tensors: list, path: str = "input"):
     if isinstance(obj, tuple):
         items = [flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
         return (TUPLE, items) if type(obj) is tuple else (NAMED, type(obj), items)
+    if _comfy_data_object(obj):
+        return (OBJECT, type(obj), [(k, flatten(v, tensors, f"{path}.{k}")) for k, v in vars(obj).items()])
     raise UnsupportedInput(f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which cannot be sent "
                            "to the other ranks (only tensors and plain values can)")
 
@@ -104,6 +119,10 @@ def unflatten(spec, tensors: list):
     if tag == NAMED:  # a namedtuple takes its fields one by one, other tuple types (torch.Size) an iterable
         cls, items = spec[1], [unflatten(v, tensors) for v in spec[2]]
         return cls(*items) if hasattr(cls, "_fields") else cls(items)
+    if tag == OBJECT:
+        obj = spec[1].__new__(spec[1])
+        obj.__dict__.update({k: unflatten(v, tensors) for k, v in spec[2]})
+        return obj
     raise ValueError(f"bad spec node {tag!r}")
 
 
