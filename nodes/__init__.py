@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
+from .block_cache import BlockCacheNode
 from .parallel_config import ParallelConfigNode
 from .shard_text_encoder import ShardTextEncoderNode
 from .shard_transformer import ShardTransformerNode
 from .shard_vae import ShardVAENode
 
-NODES = [ParallelConfigNode, ShardTransformerNode, ShardTextEncoderNode, ShardVAENode]
+NODES = [ParallelConfigNode, ShardTransformerNode, ShardTextEncoderNode, ShardVAENode, BlockCacheNode]
 
 
 class HybridParallelExtension(ComfyExtension):

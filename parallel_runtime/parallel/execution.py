@@ -9,8 +9,9 @@ import inspect
 
 import torch
 
-from . import cfg
+from . import arguments, cfg
 from .attention import SequenceParallel
+from .block_cache import CacheRanks, cached_blocks
 from .compile_regions import CompileSettings, compiled_regions
 from .context_parallel import context_parallel
 from .tensor_parallel import tensor_parallel
@@ -35,6 +36,13 @@ def group_weights(mesh: ProcessMesh, dim: str, weights: tuple[float, ...] | None
     return mine if len(set(mine)) > 1 else None
 
 
+def cache_ranks(mesh: ProcessMesh, stream_shard) -> CacheRanks:
+    """Block Cache's view of the mesh: one decision over the whole world, residuals cut under TP."""
+    return CacheRanks(world_group=mesh.group("world"), world_size=mesh.size("world"), rank=mesh.rank,
+                      tp_group=mesh.group("tp"), tp_size=mesh.size("tp"), tp_rank=mesh.local_rank("tp"),
+                      stream_shard=stream_shard)
+
+
 def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
                 args: tuple, kwargs: dict, *, distributed_attention: bool = True,
                 compile: CompileSettings | None = None, weights: tuple[float, ...] | None = None,
@@ -54,7 +62,9 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
     cfg.split_bound(bound, split)
     with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")), \
             context_parallel(module, plan, bound, sp=sequence_parallel(mesh, ulysses_chunks), sp_group=mesh.group("sp"),
-                             distributed_attention=distributed_attention, weights=group_weights(mesh, "sp", weights)), \
-            compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)):
+                             distributed_attention=distributed_attention, weights=group_weights(mesh, "sp", weights)) \
+            as ctx, \
+            compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)), \
+            cached_blocks(module, plan, arguments.get_options(bound), cache_ranks(mesh, ctx.streams.get)):
         out = call(*bound.args, **bound.kwargs)
     return cfg.gather_output(out, split, mesh.group("cfg"))

@@ -116,6 +116,21 @@ class AttentionGlobal:
     name: str = "optimized_attention"
 
 
+@dataclass(frozen=True)
+class CachedBlocks:
+    """A stack of the model's repeated blocks (``double_blocks.*``) that Block Cache may skip
+    (``parallel/block_cache.py``). The plan lists its stacks in the order the model runs them.
+    ``outputs``: for a block returning a tuple, the argument each element updates (Flux's double
+    blocks return ``(img, txt)``, Qwen-Image's ``(encoder_hidden_states, hidden_states)``); empty:
+    the block returns the update of its first argument. ``streams``: the token stream each output
+    holds (a tuple of streams for a joint one, ``(txt, img)`` back to back), so that padding a
+    context-parallel chunk carries is left out of the change measure."""
+
+    pattern: str
+    outputs: tuple[str, ...] = ()
+    streams: tuple["str | tuple[str, ...]", ...] = (MAIN_STREAM,)
+
+
 # The ComfyUI releases the whole test suite runs on (tools/host.py installs each).
 TESTED_RELEASES = ("0.3.75", "0.33.0")
 
@@ -168,6 +183,9 @@ class ModelPlan:
     # Modules whose forward torch.compile compiles one by one (parallel/compile_regions.py); empty: the
     # repeated blocks the plan's patterns name.
     compile_regions: tuple[str, ...] = ()
+    # The block stacks Block Cache skips the middle of (``CachedBlocks``, in the order the model runs
+    # them); empty: Block Cache refuses the family.
+    cached_blocks: tuple[CachedBlocks, ...] = ()
     # A user plan (plans/user.py): (the file it came from, its text), which the workers build it from.
     # None for the pack's own plans, which every rank imports.
     source: "tuple[str, str] | None" = None

@@ -15,7 +15,7 @@
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("txt", "img")
@@ -24,6 +24,9 @@ ROPE = Split("pe", dim=2, segments=JOINT)
 # vector. Not ``attn_mask`` and ``modulation_dims*``: absolute token ranges (0.33's
 # timestep_zero_index) that a chunk cannot follow, refused when they come with a value.
 FLUX_BLOCK_ARGS = frozenset({"img", "txt", "x", "vec"})
+# Block Cache: double blocks return (img, txt); single blocks the joint [txt, img] stream.
+FLUX_CACHED_BLOCKS = (CachedBlocks("double_blocks.*", outputs=("img", "txt"), streams=("img", "txt")),
+                      CachedBlocks("single_blocks.*", streams=(JOINT,)))
 
 
 def _flux_style_plan(unsupported: dict[str, str]) -> ContextParallelPlan:
@@ -110,6 +113,7 @@ FLUX = ModelPlan(
     context_parallel=_flux_style_plan({"attention_mask": MASK_WHY}),
     notes="dev, schnell, Kontext and Flux.2 reference images, ControlNet residuals.",
     tensor_parallel=flux_blocks_tensor_parallel(modulation=True, final_modulation=True),
+    cached_blocks=FLUX_CACHED_BLOCKS,
 )
 
 # Chroma's blocks carry no modulation layers: one "distilled guidance" MLP stack (the
@@ -127,4 +131,5 @@ CHROMA = ModelPlan(
     notes="ControlNet residuals; under TP the distilled-guidance MLPs are cut too.",
     tensor_parallel=flux_blocks_tensor_parallel(modulation=False, final_modulation=False, embedders=(),
                                                 extra=CHROMA_APPROXIMATOR),
+    cached_blocks=FLUX_CACHED_BLOCKS,
 )

@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("txt", "img")
@@ -50,4 +50,7 @@ PLAN = ModelPlan(
         divide={"transformer_blocks.*.attn": ("heads",)},
         divisible={"MLP width": "transformer_blocks.0.img_mlp.net.2.in_features"},
     ),
+    # Blocks return (encoder_hidden_states, hidden_states): text first.
+    cached_blocks=(CachedBlocks("transformer_blocks.*", outputs=("encoder_hidden_states", "hidden_states"),
+                                streams=("txt", "img")),),
 )

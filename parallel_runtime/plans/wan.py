@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Norm, Rowwise, TensorParallelPlan
 
 
@@ -89,6 +89,7 @@ PLAN = ModelPlan(
     ),
     notes="T2V, I2V (CLIP image context), the 5B TI2V (per-frame timesteps), Wan 2.2 14B.",
     tensor_parallel=wan_tensor_parallel(),
+    cached_blocks=(CachedBlocks("blocks.*"),),
 )
 
 VACE = ModelPlan(
@@ -106,4 +107,5 @@ VACE = ModelPlan(
     ),
     notes="Control video stream cut like the video; its control blocks cut like the main ones under TP.",
     tensor_parallel=wan_tensor_parallel(("blocks.*", "vace_blocks.*")),
+    cached_blocks=(CachedBlocks("blocks.*"),),  # the control blocks run at every step
 )

@@ -25,6 +25,7 @@ class Runtime:
         self.last_failure: dict | None = None
         self.comfyui_path: str | None = None  # None: found from the imported comfy package
         self.first_step_check: dict | None = None  # the last first-step check's findings (comfyui_glue)
+        self.block_cache = None  # () -> Block Cache's steps per prompt (comfyui_glue.cached_steps.counts)
 
     def world_for(self, config: ParallelConfig):
         with self._lock:
@@ -70,6 +71,7 @@ class Runtime:
                               **process_memory(os.getpid()), "last_forward_ms": None, "forwards": 0}]}
         out["last_failure"] = self.last_failure
         out["first_step_check"] = self.first_step_check
+        out["block_cache"] = self.block_cache() if self.block_cache is not None else []
         return out
 
 

@@ -1,0 +1,77 @@
+"""Block Cache (parallel_runtime/parallel/block_cache.py) through a real ComfyUI server on the tiny
+families: the node sharded under each layout equals the same node unsharded (fp32) with the same
+steps cached, at settings where at least a third of the steps are cached, and every rank takes one
+decision even where the ranks' own measures straddle the threshold."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from comfy_server import ComfyServer, PromptFailed
+from test_comfy_e2e import status
+from tiny_families import FAMILIES, family_prompt
+
+pytestmark = pytest.mark.multirank
+TOL = 1e-4
+STEPS = 10
+# Per family: blocks first and last (the tiny models have 2 to 4 blocks) and a threshold at which the
+# tiny random models cache a third of the steps or more.
+CACHE = {"flux": dict(front_blocks=1, back_blocks=1, threshold=0.6),
+         "wan": dict(front_blocks=1, back_blocks=0, threshold=0.3),
+         "qwen_image": dict(front_blocks=1, back_blocks=0, threshold=0.7)}
+COMMON = dict(warmup_steps=2, max_cached_steps=3, taylor_order=0)
+LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "tp2": {"tp_size": 2}, "ring2": {"ring_size": 2},
+           "cfg2": {"cfg_size": 2}, "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2, "devices": "cpu,cpu,cpu,cpu"}}
+CACHED_FAMILIES = [f for f in CACHE if f in FAMILIES]
+_references: dict = {}
+
+
+def cached_prompt(family: str, parallel: dict | None, cache: dict | None = None, steps: int = STEPS) -> dict:
+    """The family's tiny graph with ``steps`` steps and Block Cache after Shard Transformer (None: no cache)."""
+    prompt = family_prompt(family, parallel)
+    sampler = prompt["7"]["inputs"]
+    sampler["steps"] = steps
+    if cache is not None:
+        prompt["30"] = {"class_type": "HybridBlockCache", "inputs": {"model": sampler["model"], **COMMON, **cache}}
+        sampler["model"] = ["30", 0]
+    return prompt
+
+
+def run(server, prompt) -> tuple[torch.Tensor, dict]:
+    """The final latent and the status route's Block Cache row of this prompt."""
+    prompt_id = server.queue(prompt)
+    entry = server.wait(prompt_id, timeout=600)
+    (path,) = server.outputs(entry, "latents")
+    rows = [r for r in status(server)["block_cache"] if r["prompt_id"] == prompt_id]
+    return load_file(str(path))["latent_tensor"], (rows[0] if rows else {})
+
+
+def reference(server, family: str):
+    """(unsharded uncached latent, unsharded cached latent, its Block Cache row)."""
+    if family not in _references:
+        plain, _ = run(server, cached_prompt(family, None))
+        cached, row = run(server, cached_prompt(family, None, CACHE[family]))
+        print(f"\n{family} unsharded: {row}")
+        _references[family] = plain, cached, row
+    return _references[family]
+
+
+@pytest.mark.parametrize("layout,family", [(layout, f) for layout in LAYOUTS for f in CACHED_FAMILIES],
+                         ids=[f"{layout}-{f}" for layout in LAYOUTS for f in CACHED_FAMILIES])
+def test_sharded_block_cache_equals_unsharded(tiny_server, layout, family):
+    plain, ref, ref_row = reference(tiny_server, family)
+    assert ref_row["computed"] + ref_row["cached"] == STEPS
+    assert ref_row["cached"] * 3 >= STEPS, f"the settings cache too little to test anything: {ref_row}"
+    assert (ref - plain).abs().max().item() > 1e-3  # the cache really skipped blocks
+    out, row = run(tiny_server, cached_prompt(family, LAYOUTS[layout], CACHE[family]))
+    err = (out - ref).abs().max().item()
+    worst = max((abs(a - b) for a, b in zip(row["measures"], ref_row["measures"]) if a is not None and b is not None),
+                default=0.0)
+    print(f"\n{family} {layout}: max abs err {err:.2e} against unsharded Block Cache; computed {row['computed']}, "
+          f"cached {row['cached']} (unsharded {ref_row['computed']} / {ref_row['cached']}); largest measure "
+          f"difference {worst:.1e}")
+    assert row["cached"] == ref_row["cached"] and row["computed"] == ref_row["computed"]
+    assert [m is None for m in row["measures"]] == [m is None for m in ref_row["measures"]]
+    assert worst <= 1e-4
+    assert err <= TOL * max(1.0, ref.abs().max().item())
+    mesh = status(tiny_server)["mesh"]
+    assert all(mesh[dim] == LAYOUTS[layout].get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
