@@ -75,3 +75,66 @@ def test_sharded_block_cache_equals_unsharded(tiny_server, layout, family):
     assert err <= TOL * max(1.0, ref.abs().max().item())
     mesh = status(tiny_server)["mesh"]
     assert all(mesh[dim] == LAYOUTS[layout].get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
+
+
+# Each rank's own measure scaled by 1.5 on rank 0 and 0.5 on rank 1 (PARALLEL_TEST_BLOCK_CACHE_SKEW):
+# a rounding difference near the threshold, exaggerated so that it happens at most steps. At this
+# threshold the tiny Wan's measures (0.12 to 0.18) make rank 0 cache some steps and rank 1 all of them.
+SKEW = "0.5"
+SKEWED_CACHE = dict(front_blocks=1, back_blocks=0, threshold=0.2)
+
+
+def _server(tiny_base, comfyui_path, name: str, env: dict):
+    import sys
+
+    return ComfyServer(comfyui_path, tiny_base, python=sys.executable, log_path=tiny_base / f"{name}.log",
+                       env=env).start()
+
+
+@pytest.fixture(scope="module")
+def skewed_server(tiny_base, comfyui_path):
+    server = _server(tiny_base, comfyui_path, "block_cache_skew", {"PARALLEL_TEST_BLOCK_CACHE_SKEW": SKEW,
+                                                                  "PARALLEL_COLLECTIVE_TIMEOUT_S": "20"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def every_rank_for_itself(tiny_base, comfyui_path):
+    """The same, with each rank following its own wish instead of rank 0's decision: the rule removed."""
+    server = _server(tiny_base, comfyui_path, "block_cache_local", {"PARALLEL_TEST_BLOCK_CACHE_SKEW": SKEW,
+                                                                   "PARALLEL_TEST_BLOCK_CACHE_LOCAL": "1",
+                                                                   "PARALLEL_COLLECTIVE_TIMEOUT_S": "6"})
+    yield server
+    server.stop()
+
+
+def test_ranks_whose_measures_straddle_the_threshold_take_one_decision(skewed_server):
+    """Rank 0 and rank 1 see the measure on opposite sides of the threshold at several steps: the run
+    completes (no rank waits in a collective the other skipped) and equals the unsharded run that
+    decides as rank 0 does, step for step."""
+    alone, alone_row = run(skewed_server, cached_prompt("wan", None, SKEWED_CACHE))
+    out, row = run(skewed_server, cached_prompt("wan", {"ulysses_size": 2}, SKEWED_CACHE))
+    plain, _ = run(skewed_server, cached_prompt("wan", None))
+    err = (out - alone).abs().max().item()
+    print(f"\nskewed measures, Ulysses 2: {row}\nunsharded as rank 0: {alone_row}\nmax abs err {err:.2e}; "
+          f"differs from the uncached run by {(out - plain).abs().max().item():.2e}")
+    assert row.get("disagreements", 0) >= 2  # the ranks' own wishes differed at several steps
+    assert 0 < row["cached"] < STEPS - 2 and row["cached"] == alone_row["cached"]
+    assert err <= TOL * max(1.0, alone.abs().max().item())
+    assert (out - plain).abs().max().item() > 1e-3
+
+
+def test_without_one_decision_the_ranks_diverge(every_rank_for_itself):
+    """What the broadcast of rank 0's decision prevents: with each rank deciding alone, rank 1 skips
+    blocks whose collectives rank 0 runs, and the prompt fails (a hang or a mismatched collective)."""
+    with pytest.raises(PromptFailed) as info:
+        run(every_rank_for_itself, cached_prompt("wan", {"ulysses_size": 2}, SKEWED_CACHE))
+    print(f"\neach rank deciding alone: {str(info.value)[:300]}")
+
+
+def test_settings_that_leave_nothing_to_cache_are_refused_at_the_node(tiny_server):
+    with pytest.raises(PromptFailed) as info:
+        run(tiny_server, cached_prompt("flux", None, dict(front_blocks=1, back_blocks=3, threshold=0.5)))
+    assert ("Block Cache: front_blocks=1 + back_blocks=3 leave none of the model's 4 blocks to cache; valid: "
+            "front_blocks >= 1 and front_blocks + back_blocks <= 3") in str(info.value)

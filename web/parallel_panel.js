@@ -43,9 +43,11 @@ function render(root, status) {
       + `${fmtMs(c.predicted_step_ms)}` + c.alternatives.slice(1, 3).map((a) => `; ${dims(a.sizes)} ${fmtMs(a.step_ms)}`).join("")
       + (c.weights?.length ? `; tokens by measured speed ${c.weights.map((w) => w.toFixed(2)).join(" : ")}` : "") }));
   const notes = (status.notes || []).map((n) => el("div", { className: "hp-note", textContent: n }));
+  const cache = (status.block_cache || []).slice(-1).map((c) => el("div", { className: "hp-block-cache",
+    textContent: `Block Cache, last prompt: ${c.computed} steps computed, ${c.cached} cached` }));
   const header = el("div", { className: "hp-header" }, [
     el("div", { textContent: `World size ${status.world_size} — ${mesh}` }),
-    ...probe, ...chosen, ...notes,
+    ...probe, ...chosen, ...notes, ...cache,
     el("div", { textContent: `state: ${status.state}${status.backend ? ` · ${status.backend}` : ""}`
       + `${status.transport ? ` · weights by ${status.transport}` : ""}` }),
     ...(status.compiling
