@@ -19,7 +19,8 @@ from ..parallel_runtime.world.runtime import RUNTIME
 from ..parallel_runtime.layout.refusal import plan_refusal
 from ..parallel_runtime.weights.shards import shard_nbytes
 from ..parallel_runtime.comfyui_glue.first_step_check import FirstStep, requested
-from ..parallel_runtime.comfyui_glue.user_plans import plan_folders, refresh as refresh_user_plans
+from ..parallel_runtime.comfyui_glue.user_plans import fingerprint as user_plans_fingerprint, plan_folders
+from ..parallel_runtime.comfyui_glue.user_plans import refresh as refresh_user_plans
 from .parallel_config import ParallelConfigType
 
 NODE = "Shard Transformer"
@@ -80,6 +81,11 @@ class ShardTransformerNode(io.ComfyNode):
             ],
             outputs=[io.Model.Output()],
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs):
+        """A user plan file added, edited or removed runs the node again (its output holds the plan)."""
+        return user_plans_fingerprint()
 
     @classmethod
     def execute(cls, model, parallel_config: ParallelConfig, verify_first_step: bool = False) -> io.NodeOutput:

@@ -103,6 +103,30 @@ def test_user_plan_naming_a_module_the_model_lacks_is_refused_at_the_node(tiny_s
 
 
 @pytest.mark.comfy_server
+def test_a_plan_file_changed_between_prompts_reaches_the_workers(tiny_server, plan_folder):
+    """TP 2 with the documented plan, then with the MLP left whole: rank 0 runs the new plan, and so
+    must the workers (a worker still cutting the MLP would hold other shapes than rank 0)."""
+    text = documented_plan()
+    mlp_cuts = '"blocks.*.fc1": Colwise(), "blocks.*.fc2": Rowwise(),'
+    assert mlp_cuts in text
+    plan_folder("tiny_user_dit.py", text)
+    first = latent(tiny_server, user_prompt({"tp_size": 2}, seed=12))
+    cut_mlp = [r["param_bytes"] for r in status(tiny_server)["ranks"]]
+    plan_folder("tiny_user_dit.py", text.replace(mlp_cuts, "").replace(
+        'divisible={"MLP width": "blocks.0.fc2.in_features"},', ""))
+    # Straight after (no unsharded run between, which would unload the sharded copy), and another
+    # seed: the same prompt again would be ComfyUI's cached result, not a new run.
+    second = latent(tiny_server, user_prompt({"tp_size": 2}, seed=13))
+    whole_mlp = [r["param_bytes"] for r in status(tiny_server)["ranks"]]
+    print(f"\nweights per rank with the MLP cut {cut_mlp}, whole {whole_mlp}")
+    assert all(w > c * 1.1 for w, c in zip(whole_mlp, cut_mlp))  # both ranks run the changed plan
+    errors = [(out - latent(tiny_server, user_prompt(None, seed=seed))).abs().max().item()
+              for out, seed in ((first, 12), (second, 13))]
+    print(f"\nuser plan TP 2 before / after the change: max abs err {errors}")
+    assert max(errors) <= TOL
+
+
+@pytest.mark.comfy_server
 def test_a_broken_plan_file_is_named_when_the_model_finds_no_plan(tiny_server, plan_folder):
     path = plan_folder("broken_plan.py", "PLAN = ModelPlan(family='x',\n")
     with pytest.raises(PromptFailed) as info:

@@ -5,7 +5,9 @@
 - the folders in ``PARALLEL_PLANS_DIR`` (several separated by ``os.pathsep``), for example one
   that another custom node pack ships its plans in.
 
-Shard Transformer reads them each time it runs (only new or changed files are built again).
+Shard Transformer reads them each time it runs (only new or changed files are built again), and
+runs again when they change (``fingerprint``: ComfyUI would otherwise keep its cached output, made
+with the old plan).
 """
 from __future__ import annotations
 
@@ -29,3 +31,14 @@ def plan_folders() -> list[Path]:
 def refresh() -> list[str]:
     """Read the user plan files that are new or changed; the errors of files that give no plan."""
     return refresh_user_plans(plan_folders())
+
+
+def fingerprint() -> tuple:
+    """What changes when a plan file is added, edited or removed (name, size, modification time)."""
+    found = []
+    for folder in plan_folders():
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.py")):
+                stat = path.stat()
+                found.append((str(path), stat.st_size, stat.st_mtime_ns))
+    return tuple(found)

@@ -160,7 +160,9 @@ class ModelCopies:
         # What each rank holds depends on the layout through its tensor-parallel slice only (tp is
         # the innermost dimension: rank r holds slice r % tp in every layout): layouts that differ
         # in their context-parallel dimensions alone share the weights sent once.
-        version = (tp, source.version() if source is not None else ("as given",))
+        # A user plan whose file changed since the send (plans/user.py) sends the model again, with
+        # the new plan: every rank runs the plan rank 0 runs.
+        version = (tp, source.version() if source is not None else ("as given",), plan.source)
         found = self._copies.get(module)
         if found is not None and found.version == version:
             sources.finish_offload(module)  # held already: the full weights still leave the device
