@@ -578,7 +578,8 @@ def run_case(row_of, part: Part, label: str) -> Row:
     return row
 
 
-def main() -> int:
+def parse_arguments():
+    """(options, parts to run, cases per part, big model size, compile scenario) from the command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", default="all",
                         help="comma-separated part names or numbers, or all: "
@@ -599,9 +600,7 @@ def main() -> int:
                                                      "(default: OUT/base; the dev-sized Flux takes 24 GB)")
     opts = parser.parse_args()
     if opts.list:
-        print(list_parts())
-        return 0
-    gpu = not opts.cpu
+        return opts, [], {}, None, None
     try:
         parts = parse_parts(opts.part)
         cases = parse_cases(opts.cases, parts)
@@ -609,10 +608,71 @@ def main() -> int:
         parser.error(f"unknown part {exc}; choose from {', '.join(f'{p.number} {p.name}' for p in PARTS)} or all")
     except ValueError as exc:
         parser.error(str(exc))
-    big = opts.big or ("dev" if gpu else "tiny")
-    scenario = opts.compile or ("flux_ulysses2_compiled" if gpu else "flux_smoke_ulysses2_compiled")
+    big = opts.big or ("tiny" if opts.cpu else "dev")
+    scenario = opts.compile or ("flux_smoke_ulysses2_compiled" if opts.cpu else "flux_ulysses2_compiled")
     parts = [p for p in parts if not (p.name == "big" and big == "none")
              and not (p.name == "compile" and scenario == "none")]
+    return opts, parts, cases, big, scenario
+
+
+def run_server_part(check: "Check", part, cases: list[str], big: str, out: Path, report: dict,
+                    rows: list, started: float) -> list:
+    """The rows of one part that runs through a ComfyUI server (saved after every case)."""
+    if part.name != "big":
+        part_rows = []
+        for name in cases:
+            part_rows.append(run_case(getattr(check, f"case_{name}"), part, name))
+            try:  # how the weights travelled (the status route names the channel)
+                part_rows[-1].data.setdefault("transport", check.status().get("transport"))
+            except Exception:
+                pass
+            save(out, report, rows + part_rows, started)
+        return part_rows
+    rows_t0 = time.monotonic()
+    try:
+        part_rows = big_model(check, big, cases)
+    except Exception as exc:
+        part_rows = [Row(f"{BIG_SIZES[big].label}", False, figure=type(exc).__name__,
+                         note=f"{type(exc).__name__}: {str(exc)[:300]}",
+                         data={"seconds": round(time.monotonic() - rows_t0, 1)})]
+        traceback.print_exc()
+    for row in part_rows:
+        row.part = part.name
+        print_row(row)
+    return part_rows
+
+
+def run_compile_part(part, scenario: str, out: Path, gpu: bool) -> list:
+    t0 = time.monotonic()
+    part_rows = compiled_comparison(scenario, out, gpu)
+    for row in part_rows:
+        row.part = part.name
+        row.data.setdefault("seconds", round(time.monotonic() - t0, 1))
+        print_row(row)
+    return part_rows
+
+
+def server_for(part, parts, servers: dict, comfyui: str, base: Path, out: Path, gpu: bool) -> "ComfyServer":
+    """The ComfyUI server of a part's arguments, started (and the tiny files written) on first use."""
+    from tiny_models import DEMO_FILES, write_tiny_wan_files
+
+    args = part.server_args
+    if args not in servers:
+        if not servers and any(p.cases == Check.TINY_CASES for p in parts):
+            write_tiny_wan_files(base, only=(*DEMO_FILES, "unet_4heads", "t5_base"))
+        log_name = "comfyui" + "".join(a.replace("--", "_") for a in args) + ".log"
+        env = {"PARALLEL_SHARE_DEVICE": "1"} if gpu else {}
+        servers[args] = ComfyServer(comfyui, base, python=sys.executable, cpu=not gpu, env=env,
+                                    extra_args=args, log_path=out / log_name).start(timeout=300)
+    return servers[args]
+
+
+def main() -> int:
+    opts, parts, cases, big, scenario = parse_arguments()
+    if opts.list:
+        print(list_parts())
+        return 0
+    gpu = not opts.cpu
     out = Path(opts.out)
     base = Path(opts.work) if opts.work else out / "base"
     out.mkdir(parents=True, exist_ok=True)
@@ -622,8 +682,6 @@ def main() -> int:
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = True  # this driver only writes files; ComfyUI runs in its own process
-    from tiny_models import DEMO_FILES, write_tiny_wan_files
-
     report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(gpu), "host": host_version(comfyui),
               "targets": TARGETS, "parts": [], "rows": []}
     print(f"[gpu_check] ComfyUI {report['host']} at {comfyui}; {report['device']}; parts "
@@ -631,54 +689,20 @@ def main() -> int:
     started = time.monotonic()
     servers: dict[tuple[str, ...], ComfyServer] = {}
     rows: list[Row] = []
-    env = {"PARALLEL_SHARE_DEVICE": "1"} if gpu else {}
     try:
         for index, part in enumerate(parts):
-            t_part = time.monotonic()
-            part_rows: list[Row] = []
-            alloc = None
+            t_part, alloc = time.monotonic(), None
             if part.server_args is not None:
-                args = part.server_args
-                if args not in servers:
-                    if not servers and any(p.cases == Check.TINY_CASES for p in parts):
-                        write_tiny_wan_files(base, only=(*DEMO_FILES, "unet_4heads", "t5_base"))
-                    log_name = "comfyui" + "".join(a.replace("--", "_") for a in args) + ".log"
-                    servers[args] = ComfyServer(comfyui, base, python=sys.executable, cpu=not gpu, env=env,
-                                                extra_args=args, log_path=out / log_name).start(timeout=300)
-                server = servers[args]
-                check = Check(server, gpu)
-                if part.name == "big":
-                    rows_t0 = time.monotonic()
-                    try:
-                        part_rows = big_model(check, big, cases[part.name])
-                    except Exception as exc:
-                        part_rows = [Row(f"{BIG_SIZES[big].label}", False, figure=type(exc).__name__,
-                                         note=f"{type(exc).__name__}: {str(exc)[:300]}",
-                                         data={"seconds": round(time.monotonic() - rows_t0, 1)})]
-                        traceback.print_exc()
-                    for row in part_rows:
-                        row.part = part.name
-                        print_row(row)
-                else:
-                    for name in cases[part.name]:
-                        part_rows.append(run_case(getattr(check, f"case_{name}"), part, name))
-                        try:  # how the weights travelled (the status route names the channel)
-                            part_rows[-1].data.setdefault("transport", check.status().get("transport"))
-                        except Exception:
-                            pass
-                        save(out, report, rows + part_rows, started)
+                server = server_for(part, parts, servers, comfyui, base, out, gpu)
+                part_rows = run_server_part(Check(server, gpu), part, cases[part.name], big, out, report, rows,
+                                            started)
                 alloc = allocator(server.log_path)
-                if not any(args == p.server_args for p in parts[index + 1:]):  # its last part: free the device
-                    servers.pop(args).stop()
+                if not any(part.server_args == p.server_args for p in parts[index + 1:]):  # its last part
+                    servers.pop(part.server_args).stop()  # frees the device
             else:  # after the servers of earlier parts: their ranks no longer hold the device
                 for args in list(servers):
                     servers.pop(args).stop()
-                t0 = time.monotonic()
-                part_rows = compiled_comparison(scenario, out, gpu)
-                for row in part_rows:
-                    row.part = part.name
-                    row.data.setdefault("seconds", round(time.monotonic() - t0, 1))
-                    print_row(row)
+                part_rows = run_compile_part(part, scenario, out, gpu)
             seconds = time.monotonic() - t_part
             line = summary_row(report, part, part_rows, seconds, alloc)
             print(f"SUMMARY {line}", flush=True)
