@@ -178,3 +178,35 @@ def check_every_family(world, built, cases, tol: float, compile=None, forwards: 
             assert out.shape == ref.shape and err <= tol, (case, err)
         checked += 1
     return checked
+
+
+# Parameters that name the layout a server-level test runs in (its Parallel Config).
+LAYOUT_PARAMS = ("layout", "hybrid", "parallel")
+
+
+def pytest_collection_modifyitems(items):
+    """Within each module that sets ``LAYOUT_MAJOR = True``, the tests that run in a named layout
+    are grouped by that layout, in the order the layouts first appear (the rest keep their place
+    before them). A world restarts with its workers whenever the layout changes, so layout-major
+    order starts it once per layout, not once per test group (tests/test_comfy_families.py has a
+    group per family and feature)."""
+    def layout_of(item):
+        if not getattr(item.module, "LAYOUT_MAJOR", False):
+            return None
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        value = next((params[p] for p in LAYOUT_PARAMS if p in params), None)
+        return value if isinstance(value, str) else None
+
+    order: dict[tuple[str, str], int] = {}
+    keyed = []
+    for index, item in enumerate(items):
+        layout = layout_of(item)
+        module = item.nodeid.split("::", 1)[0]
+        if layout is not None:
+            order.setdefault((module, layout), len(order))
+        keyed.append(((module, -1 if layout is None else order[(module, layout)], index), item))
+    first = {}
+    for (module, _, index), _ in keyed:
+        first.setdefault(module, index)
+    keyed.sort(key=lambda pair: (first[pair[0][0]], pair[0][1], pair[0][2]))
+    items[:] = [item for _, item in keyed]

@@ -19,6 +19,7 @@ from test_comfy_e2e import status
 from tiny_families import FAMILIES, family_prompt, file_name
 
 pytestmark = pytest.mark.multirank
+LAYOUT_MAJOR = True  # conftest runs the tests grouped by layout: the world restarts once per layout
 TOL = 1e-4
 TP2_BYTES_LIMIT = 0.52
 LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "tp2": {"tp_size": 2}}
