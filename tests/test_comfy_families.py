@@ -270,3 +270,28 @@ def test_tp4_weights_per_rank(tiny_server, family):
     print(f"\n{family} tp4: max abs err {err:.2e}; weights per rank / file = {[round(s, 3) for s in shares]}")
     assert err <= TOL and info["mesh"]["tp"] == 4
     assert len(shares) == 4 and max(shares) <= TP4_BYTES_LIMIT and min(shares) > 0
+
+
+# TP must let a model run where it does not fit one GPU (issue 32): rank 0's compute device holds
+# at most its shard and what ComfyUI loads besides the transformer, never the full weights.
+RANK0_DEVICE_WEIGHTS_LIMIT = 0.6
+
+
+@pytest.mark.parametrize("family", MINIMAX_FAMILIES)
+def test_tp2_rank0_device_weights_stay_under_six_tenths_of_the_model(tiny_server, family):
+    """The status's ``device_weight_peak_bytes``: over the prompt, what ComfyUI's loader counts as
+    loaded on rank 0's device of the sharded model (``model_loaded_weight_memory``) plus rank 0's
+    shard. MiniMax-H3 also runs the token refiner on ComfyUI's own module in ``extra_conds``, after
+    ComfyUI loaded the model for sampling."""
+    ref = reference(tiny_server, family)
+    out = final_latents(tiny_server, family_prompt(family, {"tp_size": 2}))
+    err = max_error(out, ref)
+    info = status(tiny_server)
+    rank0 = info["ranks"][0]
+    share = rank0["device_weight_peak_bytes"] / file_bytes(tiny_server, family)
+    print(f"\n{family} tp2: max abs err {err:.2e}; rank 0's peak weights on its compute device / file = {share:.3f} "
+          f"(its shard {rank0['param_bytes'] / file_bytes(tiny_server, family):.3f})")
+    assert err <= TOL and info["mesh"]["tp"] == 2
+    assert rank0["param_bytes"] <= rank0["device_weight_peak_bytes"] <= RANK0_DEVICE_WEIGHTS_LIMIT * file_bytes(
+        tiny_server, family)
+    assert [r["device_weight_peak_bytes"] for r in info["ranks"][1:]] == [None]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..weights.sources import WeightSource, leave_device_after_cut
+from ..world import memory
 
 log = logging.getLogger("parallel")
 
@@ -129,6 +130,8 @@ class ShardedPatcherMixin:
             # Keywords: some patchers (ComfyUI-GGUF's) take force_patch_weights by keyword only.
             out = super().load(device_to, lowvram_model_memory, force_patch_weights=force_patch_weights,
                                full_load=full_load, **kwargs)
+            if sharding is not None:
+                memory.SHARDED_MODELS[self.model] = 0
         else:
             with _withheld(self.model, sharding.paths) as subtrees:
                 out = super().load(device_to, lowvram_model_memory, force_patch_weights=force_patch_weights,
@@ -140,6 +143,10 @@ class ShardedPatcherMixin:
                     leave_device_after_cut(subtree, self.offload_device)
             if self.model.model_lowvram:  # a partial load counted the loaded modules only
                 self.model.model_loaded_weight_memory += sharding.rank0_bytes
+            # ComfyUI's count now includes rank 0's shard where we added it, or where a full load
+            # counted ``model_size()`` (ours: the rest plus the shard); the status's
+            # device_weight_peak_bytes counts the shard itself instead.
+            memory.SHARDED_MODELS[self.model] = sharding.rank0_bytes if self.model.model_lowvram or full_load else 0
             # True: the sharded weights are not on the device, so a clone of this model that runs
             # unsharded loads them, instead of taking the model for fully loaded.
             self.model.model_lowvram = True

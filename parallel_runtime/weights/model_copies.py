@@ -139,6 +139,11 @@ class ModelCopies:
     def param_bytes_rank0(self) -> int:
         return sum(c.param_bytes for c in list(self._copies.values()))
 
+    @property
+    def own_param_bytes_rank0(self) -> int:
+        """Rank 0's copies that are not ComfyUI's module itself (tensor-parallel shards)."""
+        return sum(c.param_bytes for c in list(self._copies.values()) if c.run_module is not None)
+
     def key_of(self, module: torch.nn.Module) -> str:
         return self._copies[module].key
 

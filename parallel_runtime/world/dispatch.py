@@ -184,6 +184,7 @@ class Dispatch:
             raise
         self.last_forward_ms = (time.perf_counter() - started) * 1e3
         memory.PEAKS.sample(self.device)  # USS peak (CPU ranks)
+        memory.PEAKS.sample_weights(memory.device_weight_bytes(self.device, self.copies.own_param_bytes_rank0))
         self.forwards += 1
         return out
 

@@ -8,6 +8,7 @@ import gc
 import os
 import sys
 import time
+import weakref
 
 import psutil
 import torch
@@ -116,6 +117,7 @@ class PeakMemory:
         self._sampled_at: float | None = None
         self.prompt = self._UNSEEN
         self.uss_peak: int | None = None
+        self.weights_peak: int | None = None  # rank 0: weight bytes on its compute device (device_weight_bytes)
         self.rss_resets = True  # False where the kernel's peak cannot be reset: the RSS peak runs from start
 
     @property
@@ -131,8 +133,13 @@ class PeakMemory:
         self.reset_device(torch_device(device))
         self.rss_resets = reset_rss_peak()
         self.uss_peak = None
+        self.weights_peak = None
         self._sampled_at = None
         return True
+
+    def sample_weights(self, nbytes: int) -> None:
+        """Rank 0: the weight bytes on its compute device now (``device_weight_bytes``), the largest kept."""
+        self.weights_peak = nbytes if self.weights_peak is None else max(self.weights_peak, nbytes)
 
     def sample(self, device) -> None:
         """Take a USS sample (CPU ranks; on accelerators reading smaps each step is not worth it)."""
@@ -150,7 +157,8 @@ class PeakMemory:
         """The peaks as the status route shows them (None: not measured on this rank)."""
         allocated, reserved = self.device_peaks(torch_device(device))
         return {"gpu_peak_allocated_bytes": allocated, "gpu_peak_reserved_bytes": reserved,
-                "rss_peak_bytes": rss_peak_bytes(), "uss_peak_bytes": self.uss_peak, **comm.HOST.stats()}
+                "rss_peak_bytes": rss_peak_bytes(), "uss_peak_bytes": self.uss_peak,
+                "device_weight_peak_bytes": self.weights_peak, **comm.HOST.stats()}
 
     def row(self, device) -> list[float]:
         """protocol.MEMORY_FIELDS of this rank's status row (-1: not measured)."""
@@ -192,6 +200,42 @@ def _reset_device_peaks(device):
 
 
 PEAKS = PeakMemory()  # this process's
+
+
+# ---------------------------------------------------------------- rank 0's weights on its device
+# ComfyUI models loaded by a sharded patcher (comfyui_glue/patcher.py) -> the bytes of rank 0's
+# shard that patcher added to ComfyUI's count of the model's loaded weights (0: none added).
+SHARDED_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def comfy_loaded_weight_bytes(device) -> int:
+    """The weights of the sharded models that ComfyUI loaded onto ``device``, by ComfyUI's own count
+    (``model_loaded_weight_memory``: what its loader moved there, which with tensor parallelism leaves
+    the sharded modules out), less rank 0's shard where the pack added it to that count. 0 outside
+    ComfyUI."""
+    mm = sys.modules.get("comfy.model_management")
+    total = 0
+    for loaded in list(getattr(mm, "current_loaded_models", ())):
+        patcher = loaded.model
+        model = getattr(patcher, "model", None)
+        if model is None or torch_device(loaded.device) != torch_device(device):
+            continue
+        # A sharded patcher (its ``_sharding``), or a model one loaded: ComfyUI may keep it loaded under
+        # another patcher that did not load it again (an unsharded run's, loaded fully).
+        sharding = getattr(patcher, "_sharding", None)
+        if model not in SHARDED_MODELS and not (callable(sharding) and sharding() is not None):
+            continue
+        total += max(0, int(getattr(model, "model_loaded_weight_memory", 0)) - SHARDED_MODELS.get(model, 0))
+    return total
+
+
+def device_weight_bytes(device, own_copies_bytes: int) -> int:
+    """Rank 0's weight bytes on its compute device: what ComfyUI loaded there of the sharded models
+    plus the pack's own copies there (tensor-parallel shards; a context-parallel rank 0 runs
+    ComfyUI's module itself, counted by ComfyUI). On the CPU, where ComfyUI computes and offloads
+    on one device, this is the figure a GPU run would have (the full weights ComfyUI keeps offloaded
+    are not counted), made of the same accounting."""
+    return comfy_loaded_weight_bytes(device) + own_copies_bytes
 
 
 def with_current(peaks: dict, current: dict, device) -> dict:

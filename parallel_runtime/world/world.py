@@ -413,6 +413,7 @@ class World(Dispatch):
                 gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
                 compiling, compiles, recompiles, hits, misses = row[protocol.COMPILE_FIELDS]
                 peaks = figures_from_row(row)
+                peaks["device_weight_peak_bytes"] = None  # rank 0's figure (a worker holds only its copies: param_bytes)
                 # A CPU rank's row holds zeros there before its first report; a rank on another host
                 # (device "@host" here) says by its report whether it has a GPU.
                 if device_type(device) not in ("cuda", None) or gpu[0] is None:
