@@ -1,8 +1,7 @@
 """Layers a model runs outside its sharded forward, under tensor parallelism.
 
 Under TP ComfyUI's full copy of the transformer stays where ComfyUI offloads it (rank 0 computes
-with its shard), and ComfyUI never patches it: the pack applies LoRA patches per layer as it cuts
-the shards. Some models still call part of that full copy outside the sampling forward: LTX-2's
+with its shard, cut with the LoRA patches applied per layer). Some models still call part of that full copy outside the sampling forward: LTX-2's
 ``extra_conds`` runs the text connectors (``preprocess_text_embeds``), MiniMax-H3's its token
 refiner. Those calls must see the patched weights, on the device of their inputs, as the unsharded
 model does: here a LoRA on LTX-2's connectors under TP 2 equals the unsharded
