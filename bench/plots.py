@@ -4,7 +4,8 @@
 
 Writes speedup.png (speedup against world size, per mode, with the ideal line),
 memory.png (weights and peak RSS of the largest rank, per scenario), table.md and
-comparison.md (this pack against the peers, per round) from the records of all the files.
+comparison.md (this pack against the peers, per round) from the records of all the files;
+cache.md and cache.png from the ``cache`` suite's records (bench/cache_bench.py).
 """
 from __future__ import annotations
 
@@ -90,7 +91,13 @@ def plot(records_paths: list[Path], out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     files = [load(path) for path in records_paths]
+    cached = [r for records in files for r in records if r.get("cache_variants")]
+    if cached:
+        plot_cache(cached, out_dir)
+    files = [[r for r in records if not r.get("cache_variants")] for records in files]
     every = [r for records in files for r in records]
+    if not every:
+        return
     records = [r for r in every if not r.get("failure")]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(table(every) + "\n")
@@ -134,6 +141,38 @@ def plot(records_paths: list[Path], out_dir: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "memory.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_cache(records: list[dict], out_dir: Path) -> None:
+    """cache.md (bench/cache_bench.py's table) and cache.png: end-to-end time per layout and threshold,
+    with each cached run's PSNR against its uncached twin, one panel per scenario."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from cache_bench import cache_table
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "cache.md").write_text(cache_table(records) + "\n")
+    fig, axes = plt.subplots(1, len(records), figsize=(5.5 * len(records), 4), squeeze=False)
+    for ax, rec in zip(axes[0], records):
+        rows = rec["cache_variants"]
+        labels = [f"{'1 rank' if r['where'] == 'world1' else 'Ulysses 2'}\n"
+                  f"{'no cache' if not r['cached'] else r['threshold']}" for r in rows]
+        bars = ax.bar(range(len(rows)), [r["e2e_ms_median"] / 1e3 for r in rows],
+                      color=["tab:gray" if r["where"] == "world1" else "tab:blue" for r in rows])
+        for bar, r in zip(bars, rows):
+            if r["cached"]:
+                ax.annotate(f"{r['image_psnr_db']:.0f} dB", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("end to end, s (median)")
+        ax.set_title(f"{rec['scenario']}: {rec['steps']} steps", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "cache.png", dpi=120)
     plt.close(fig)
 
 

@@ -274,7 +274,9 @@ def run_compiled_scenario(scenario, device: str, threads: int, repeat: int | Non
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", default="quick", choices=["smoke", "quick", "full", "vae", "memory", "gguf", "compile", "auto", "weighted", "none"],
+    parser.add_argument("--suite", default="quick",
+                        choices=["smoke", "quick", "full", "vae", "memory", "gguf", "compile", "auto", "weighted",
+                                 "cache", "none"],
                         help="scenarios to run; 'none' with --peers runs only the peer comparison")
     parser.add_argument("--scenario", nargs="*", help="run these scenarios instead of a suite")
     parser.add_argument("--out", required=True, help="JSON-lines file for the records (appended)")
@@ -323,6 +325,16 @@ def main() -> int:
                 print(f"[bench]   rank 1 {record['slow_factor']}x slower: even {record['even_ms_median']:.0f} ms, weighted "
                       f"{record['weighted_ms_median']:.0f} ms ({record['weighted_gain'] * 100:+.0f} %), err "
                       f"{record['max_abs_err']:.1e}", file=sys.stderr, flush=True)
+                continue
+            if scenario.extra.get("cache"):
+                from cache_bench import run_cache_scenario
+
+                record = run_cache_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+                write(record, round_)
+                for r in record["cache_variants"]:
+                    print(f"[bench]   {r['where']} threshold {r['threshold']}: end to end {r['e2e_ms_median']:.0f} ms "
+                          f"({r['speedup_vs_uncached']:.2f}x its uncached twin), cached {r['cached_steps']}/"
+                          f"{record['steps']}, PSNR {r['image_psnr_db']}", file=sys.stderr, flush=True)
                 continue
             run = run_compiled_scenario if scenario.extra.get("compile") else run_scenario
             record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat)

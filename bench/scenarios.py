@@ -268,3 +268,23 @@ def scenario_call(scenario, model):
     method = getattr(type(model), scenario.method).__get__(model)
     options = {"transformer_options": {}} if scenario.method == "_forward" else {}  # VAEs take none
     return find_plan(model) or find_vae_plan(model), method, options
+
+
+# Block Cache against no cache, unsharded and under Ulysses 2, sampled end to end (bench/cache_bench.py):
+# the Flux and Wan shapes at sizes that sample a run in seconds on one CPU thread. Thresholds per model:
+# with random weights the Flux-shaped model's first-block residual changes by 0.37-0.42 from step to
+# step (its timestep embedding weighs every sinusoid alike; a trained model's changes far less), the
+# Wan-shaped one's by less.
+FLUX_CACHE = FluxShape(image_side=64, text_tokens=64)
+WAN_CACHE = WanShape(layers=4, frames=3, side=32, text_tokens=64)
+SCENARIOS += [
+    Scenario("flux_cache_ulysses2", "flux", "cache", {"ulysses": 2}, flux(FLUX_CACHE), FLUX_CACHE.tokens,
+             suites=("cache",), repeat=3,
+             extra={"cache": True, "steps": 12, "thresholds": (0.39, 0.42, 0.6), "latent_format": "Flux"},
+             notes="2 double + 4 single blocks; Block Cache Fn 1, Bn 0, warm-up 2, at most 3 cached in a row"),
+    Scenario("wan_cache_ulysses2", "wan", "cache", {"ulysses": 2}, wan(WAN_CACHE), WAN_CACHE.tokens,
+             suites=("cache",), repeat=3,
+             extra={"cache": True, "steps": 12, "thresholds": (0.07, 0.1, 0.2), "latent_format": "Wan21",
+                    "timestep_scale": 1000.0},
+             notes="4 blocks; Block Cache Fn 1, Bn 0, warm-up 2, at most 3 cached in a row"),
+]

@@ -69,3 +69,28 @@ def test_profile_script_measures_the_overlap_of_head_groups():
     print("\n" + result.stdout.strip())
     assert set(waited) == {1, 2} and all(v > 0 for v in waited.values()) and all(v > 0 for v in steps.values())
     assert "communication waited for" in result.stdout
+
+
+def test_cache_table_and_psnr():
+    """bench/cache_bench.py: one row per layout and threshold, the PSNR of an image against itself
+    infinite and of a 0.01 offset 40 dB."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import cache_bench
+
+    row = dict(where="world1", world_size=1, threshold=None, cached=False, e2e_ms_median=1000.0, step_ms_median=80.0,
+               cached_steps=0, latent_max_abs_err=0.0, image_max_abs_err=0.0, image_psnr_db=None,
+               speedup_vs_uncached=1.0, speedup_vs_world1_uncached=1.0, max_abs_err_vs_world1=0.0)
+    cached = {**row, "where": "mesh", "threshold": 0.1, "cached": True, "e2e_ms_median": 400.0, "cached_steps": 7,
+              "image_psnr_db": 41.5, "speedup_vs_uncached": 2.5, "speedup_vs_world1_uncached": 2.5}
+    record = {"scenario": "flux_cache_ulysses2", "mesh": {"cfg": 1, "ring": 1, "ulysses": 2, "tp": 1}, "steps": 12,
+              "cache_variants": [row, cached]}
+    lines = cache_bench.cache_table([record]).splitlines()
+    assert len(lines) == 4
+    assert "| flux_cache_ulysses2 | ulysses 2 | 0.1 | 7/12 | 80 | 400 | 2.50x | 2.50x | 41.5 dB |" in lines[3]
+    image = torch.rand(1, 3, 8, 8)
+    assert cache_bench.psnr(image, image) == float("inf")
+    assert abs(cache_bench.psnr(image + 0.01, image) - 40.0) < 1e-4
+    rgb = cache_bench.preview_decode(torch.zeros(1, 16, 2, 4, 4), [[0.0] * 3] * 16, [0.0] * 3)
+    assert rgb.shape == (1, 3, 2, 4, 4) and torch.all(rgb == 0.5)
