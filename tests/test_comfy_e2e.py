@@ -11,7 +11,9 @@ from comfy_server import PromptFailed, PromptRejected
 from workflows import edited, find_nodes, remove_passthrough
 
 pytestmark = pytest.mark.comfy_server
-TOL = 1e-5
+# fp32 rounding of a sharded run against one process: the tiny Wan's latents reach ~21, where the
+# order of sums alone gives 1.2e-5 under Ulysses 2 on AVX-512 CPUs; the issues ask for 1e-4.
+TOL = 1e-4
 
 
 def final_latent(server, prompt) -> torch.Tensor:
