@@ -16,7 +16,7 @@ pytestmark = pytest.mark.comfy_server
 NS_A, NS_B = "hp_rank0", "hp_rank1"
 IF_A, IF_B = "hpveth0", "hpveth1"
 ADDR_A, ADDR_B = "10.213.7.1", "10.213.7.2"
-TOL = 1e-5
+TOL = 1e-4  # as test_comfy_e2e: the tiny Wan's latents reach ~21 (fp32 order of sums ~1e-5 there)
 
 
 def ip(*args, check=True):
