@@ -24,7 +24,9 @@ from parallel_runtime.comfyui_location import host_record  # noqa: E402
 from workflows import find_nodes, load, ui_to_api  # noqa: E402
 
 WORKFLOW = REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json"
-TOLERANCE = 1e-5
+# fp32: the tiny Wan's latents reach ~21, where the order of sums alone differs by ~1.2e-5 between one
+# process and Ulysses 2 on AVX-512 CPUs (the tests' tolerance, and the issues', is 1e-4).
+TOLERANCE = 1e-4
 
 
 def import_comfy(comfyui_path: str) -> None:
