@@ -310,7 +310,7 @@ def minimax_h3_case(masks: bool):
     return model, (x, torch.tensor([700.0]), randn(1, 6, 64, seed=173)), kwargs
 
 
-@pytest.mark.skipif(not available("comfy.ldm.minimax.model"), reason="this ComfyUI has no MiniMax-H3")
+@pytest.mark.skipif(not available("comfy.ldm.minimax.model"), reason="MiniMax-H3 comes with ComfyUI 0.33; this ComfyUI has no comfy.ldm.minimax")
 @pytest.mark.parametrize("masks", [False, True], ids=["t2va", "denoise_masks"])
 def test_minimax_h3_matches_single_process(world, masks):
     model, args, kwargs = minimax_h3_case(masks)
