@@ -9,7 +9,7 @@ import inspect
 
 import torch
 
-from . import arguments, cfg
+from . import arguments, cfg, model_patches
 from .attention import SequenceParallel
 from .block_cache import CacheRanks, cached_blocks
 from .compile_regions import CompileSettings, compiled_regions
@@ -46,11 +46,12 @@ def cache_ranks(mesh: ProcessMesh, stream_shard) -> CacheRanks:
 def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
                 args: tuple, kwargs: dict, *, distributed_attention: bool = True,
                 compile: CompileSettings | None = None, weights: tuple[float, ...] | None = None,
-                ulysses_chunks: int = 1):
+                ulysses_chunks: int = 1, patch_models: list | tuple = ()):
     """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has);
     ``compile``: the plan's blocks run compiled (compile_regions); ``weights``: relative speed
     per global rank, for a weighted token split or VAE bands (None or all equal: the even split);
-    ``ulysses_chunks``: head groups of a pure Ulysses exchange that overlap the attention."""
+    ``ulysses_chunks``: head groups of a pure Ulysses exchange that overlap the attention;
+    ``patch_models``: the models of the forward's model patches, as the patches' data indexes them."""
     if plan.kind == "vae":  # every rank decodes (or encodes) a band of rows; see vae_bands
         return run_vae(module, plan, mesh.group("world"), mesh.size("world"), mesh.local_rank("world"), call,
                        args, kwargs, communicate=distributed_attention, weights=group_weights(mesh, "world", weights))
@@ -65,6 +66,7 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
                              distributed_attention=distributed_attention, weights=group_weights(mesh, "sp", weights)) \
             as ctx, \
             compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)), \
-            cached_blocks(module, plan, arguments.get_options(bound), cache_ranks(mesh, ctx.streams.get)):
+            cached_blocks(module, plan, arguments.get_options(bound), cache_ranks(mesh, ctx.streams.get)), \
+            model_patches.running(plan, arguments.get_options(bound), list(patch_models), ctx):
         out = call(*bound.args, **bound.kwargs)
     return cfg.gather_output(out, split, mesh.group("cfg"))

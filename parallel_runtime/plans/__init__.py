@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import (chroma_radiance, cogvideo, ernie, flux, hunyuan_video, joyimage, kandinsky5, krea2, ltxav, ltxv, lumina,
-               minimax_h3, qwen_image, text_encoders, user, vae, wan)
+               minimax_h3, patches, qwen_image, text_encoders, user, vae, wan)
 from .base import ModelPlan
 from .matching import check_plan_matches
 
@@ -17,7 +17,7 @@ PLANS: tuple[ModelPlan, ...] = (
 )
 ENCODER_PLANS: tuple[ModelPlan, ...] = text_encoders.PLANS
 VAE_PLANS: tuple[ModelPlan, ...] = vae.PLANS
-_BY_FAMILY = {plan.family: plan for plan in (*PLANS, *ENCODER_PLANS, *VAE_PLANS)}
+_BY_FAMILY = {plan.family: plan for plan in (*PLANS, *ENCODER_PLANS, *VAE_PLANS, patches.MODEL_PLAN)}
 
 
 def qualified_name(cls: type) -> str:

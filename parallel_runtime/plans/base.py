@@ -131,6 +131,27 @@ class CachedBlocks:
     streams: tuple["str | tuple[str, ...]", ...] = (MAIN_STREAM,)
 
 
+@dataclass(frozen=True)
+class PatchSite:
+    """How the model hands the token streams to the patches of one ``transformer_options["patches"]``
+    hook (``"double_block"``: ComfyUI calls them after each main block with a dict of keyword
+    arguments), for a patch that must see the whole sequence (``plans/patches.py``: ``whole``).
+
+    ``tokens``: keyword -> the stream whose local chunk it holds under context parallelism
+    (Qwen-Image: ``{"img": "img", "txt": "txt"}``). ``joint``: keywords that are back-to-back parts
+    of *one* stream's local chunk, cut by the model at a global position (Z-Image slices its joint
+    ``[caption, image]`` stream at the caption length even when each rank holds a chunk of it), with
+    ``joint_stream`` that stream and ``joint_at(kwargs, total)`` the global position of the cut.
+    ``before_split``: the model calls this hook before it cuts any stream (Z-Image's noise refiner):
+    the tensors are whole on every rank and the patch runs as it is."""
+
+    tokens: dict[str, str] = field(default_factory=dict)
+    joint: tuple[str, ...] = ()
+    joint_stream: str = MAIN_STREAM
+    joint_at: "Callable[[dict, int], int] | None" = None
+    before_split: bool = False
+
+
 # The ComfyUI releases the whole test suite runs on (tools/host.py installs each).
 TESTED_RELEASES = ("0.3.75", "0.33.0")
 
@@ -159,6 +180,9 @@ class ContextParallelPlan:
     # (``AttentionGlobal``): replaced for the duration of one sharded forward, so the plan's
     # attention sites reach the distributed attention all the same.
     attention_globals: tuple[AttentionGlobal, ...] = ()
+    # ``transformer_options["patches"]`` hooks the model calls (``"double_block"``) -> how it hands
+    # them the token streams (``PatchSite``); a model patch on a hook not named here is refused.
+    patch_sites: dict[str, PatchSite] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ with its output gathered. The q/k norms are per head and need nothing.
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import ContextParallelPlan, Gather, ModelPlan, PatchSite, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 
@@ -44,6 +44,17 @@ TENSOR_PARALLEL = TensorParallelPlan(
     optional=frozenset({k for k in _block_tp("siglip_refiner.*")} | {"context_refiner.*.adaLN_modulation.-1"}),
 )
 
+def _caption_length(kwargs: dict, total: int) -> int:
+    """Where ``_forward`` cuts the joint stream for its ``double_block`` patches: after the caption,
+    whose length is what the whole image part (``img_input``, never cut) leaves of the stream."""
+    return total - kwargs["img_input"].shape[1]
+
+
+# Model patches (Z-Image Fun ControlNets): after each main layer ``_forward`` hands them the joint
+# stream cut at the caption length into ``txt`` and ``img``; the noise refiner's run before the cut.
+PATCH_SITES = {"double_block": PatchSite(joint=("txt", "img"), joint_stream="x", joint_at=_caption_length),
+               "noise_refiner": PatchSite(before_split=True)}
+
 PLAN = ModelPlan(
     family="lumina2",
     title="Lumina2 / Z-Image",
@@ -58,6 +69,7 @@ PLAN = ModelPlan(
         attention={"layers.*": ("x",)},
         # Not 0.33's timestep_zero_index (Z-Image Omni): absolute token ranges, refused when given.
         passed=frozenset({"x", "x_mask", "adaln_input", "c"}),
+        patch_sites=PATCH_SITES,
     ),
     notes=("Refiners run whole on every rank under context parallelism and are cut under TP; grouped-query "
            "KV heads must divide by tp_size. Not Z-Image Omni (0.33's timestep_zero_index: refused)."),

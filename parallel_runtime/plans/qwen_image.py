@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, PatchSite, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("txt", "img")
@@ -32,6 +32,8 @@ PLAN = ModelPlan(
         call_inputs=(Split("control", dim=1, stream="img", prefix=True),),
         # Not 0.33's timestep_zero_index (Qwen-Image-Edit-2511): absolute token ranges, refused when given.
         passed=frozenset({"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb"}),
+        # Model patches after each block (DiffSynth / Fun ControlNets) receive both streams.
+        patch_sites={"double_block": PatchSite(tokens={"img": "img", "txt": "txt"})},
     ),
     notes="Edit reference images, ControlNet residuals.",
     tensor_parallel=TensorParallelPlan(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, PatchSite, Split
 from .tensor_parallel import Colwise, Norm, Rowwise, TensorParallelPlan
 
 
@@ -75,6 +75,8 @@ SELF_ATTENTION = {"blocks.*.self_attn": ("x",)}
 # Passed on unchanged: the stream once cut, the cut RoPE table, the text (cross-attention stays local).
 WAN_BLOCK_ARGS = frozenset({"x", "freqs", "context", "context_img_len"})
 GATHER_HEAD = {"head": Gather(dim=1)}
+# Model patches after each block (Uni3C) receive the video stream as ``img`` (``x`` is the model's input).
+PATCH_SITES = {"double_block": PatchSite(tokens={"img": "x"})}
 
 PLAN = ModelPlan(
     family="wan",
@@ -86,6 +88,7 @@ PLAN = ModelPlan(
         outputs=GATHER_HEAD,
         attention=SELF_ATTENTION,
         passed=WAN_BLOCK_ARGS,
+        patch_sites=PATCH_SITES,
     ),
     notes="T2V, I2V (CLIP image context), the 5B TI2V (per-frame timesteps), Wan 2.2 14B.",
     tensor_parallel=wan_tensor_parallel(),

@@ -23,11 +23,12 @@ from ..config import MESH_DIMS, describe_sizes
 from ..distributed import comm
 from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout.auto import calibrate
-from ..parallel import arguments, compile_regions
+from ..parallel import arguments, compile_regions, model_patches
 from ..parallel.cfg import batch_of
 from ..parallel.context_parallel import check_supported_arguments
 from ..parallel.execution import run_sharded
 from ..plans import ModelPlan
+from ..plans.patches import MODEL_PLAN as PATCH_MODEL_PLAN
 from ..weights import pickling
 from ..weights.shards import named_tensors
 
@@ -46,6 +47,7 @@ class _Call:
     spec: object
     tensors: list
     meta: list
+    patch_models: list  # the models of the call's model patches (parallel/model_patches.py)
     t0: float
     t_prepared: float
 
@@ -112,8 +114,10 @@ class Dispatch:
                 mesh = self.mesh_for(call.layout)
             with self.watchdog.guard("weight send", settings.STARTUP_TIMEOUT_S):
                 key, run_module = self.copies.ensure(module, call.plan, source, call.layout)
+                # A patch's model is held whole on every rank (not cut under TP), sent once.
+                patch_keys = [self.copies.ensure(m, PATCH_MODEL_PLAN, None, call.layout)[0] for m in call.patch_models]
             out = self._run_everywhere(call, module, method, key, run_module, mesh, distributed_attention, compile,
-                                       weights, chunks)
+                                       weights, chunks, patch_keys)
             if self.first_forward is None:
                 self.first_forward = {"seconds": round(time.perf_counter() - call.t0, 3),
                                       "after_ready_s": round(time.monotonic() - self.ready_at, 3)}
@@ -143,15 +147,20 @@ class Dispatch:
             trial = signature.bind(*bound.args, **bound.kwargs)
             arguments.set_options(trial, dict(arguments.get_options(bound) or {}))
         worker_bound = signature.bind(*bound.args, **bound.kwargs)
+        patch_models = []
         if plan.kind == "transformer":  # text encoders take no transformer_options
-            arguments.set_options(worker_bound, protocol.worker_transformer_options(arguments.get_options(bound)))
+            # Model patches as data that every rank (rank 0 too) rebuilds them from; refused by name if unknown.
+            options, patch_models = model_patches.encode(arguments.get_options(bound), plan,
+                                                         next(iter(bound.arguments.values()), None))
+            arguments.set_options(bound, options)
+            arguments.set_options(worker_bound, protocol.worker_transformer_options(options))
         tensors: list = []
         spec = protocol.flatten((worker_bound.args, worker_bound.kwargs), tensors)
         return _Call(plan, method_name, bound, trial, layout or self.layout, spec, tensors,
-                     protocol.tensor_meta(tensors), t0, time.perf_counter())
+                     protocol.tensor_meta(tensors), patch_models, t0, time.perf_counter())
 
     def _run_everywhere(self, call: "_Call", module, method, key, run_module, mesh, distributed_attention, compile,
-                        weights, chunks):
+                        weights, chunks, patch_keys):
         """The guarded section: the workers get the call and the inputs, rank 0 runs its part."""
         started = time.perf_counter()
         try:
@@ -160,7 +169,7 @@ class Dispatch:
                 memory.PEAKS.begin(prompt, self.device)
                 for w in self.workers:
                     w.conn.send(("forward", key, call.method_name, call.spec, call.meta, distributed_attention,
-                                 compile, list(call.layout.sizes), weights, chunks, prompt))
+                                 compile, list(call.layout.sizes), weights, chunks, prompt, patch_keys))
                 t_sent = time.perf_counter()
                 protocol.broadcast_tensors(call.tensors, call.meta, self.device)
                 t_broadcast = time.perf_counter()
@@ -175,7 +184,8 @@ class Dispatch:
                 with compile_regions.watched(compile, (key, repr(call.layout.sizes)), call.meta):
                     out = run_sharded(run_module, call.plan, mesh, method if run_module is module else own, own,
                                       call.bound.args, call.bound.kwargs, distributed_attention=distributed_attention,
-                                      compile=compile, weights=weights, ulysses_chunks=chunks)
+                                      compile=compile, weights=weights, ulysses_chunks=chunks,
+                                      patch_models=call.patch_models)
                 comm.synchronize(self.device)  # a step's time, not the time to queue its kernels
         except BaseException:
             # The traceback keeps this frame: it must not keep the subgroups open through the shutdown

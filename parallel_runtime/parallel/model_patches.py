@@ -1,0 +1,219 @@
+"""Model patches on every rank: applying ``plans/patches.py`` to one sharded forward.
+
+Rank 0 turns each patch object in ``transformer_options["patches"]`` into plain data (``encode``):
+its class, the attributes that travel with the forward, the answers of what stays on rank 0, and
+the index of each model it holds in the call's list of patch models (which the workers receive
+once, like the transformer). Every rank, rank 0 included, then rebuilds the same patch from that
+data for the forward (``running``) and calls it through a stand-in that applies its declaration:
+``local`` patches get their token-covering tensors cut like the stream they cover; ``whole`` patches
+see the whole sequence (the streams the model plan's ``PatchSite`` names, gathered), and each rank
+keeps its own chunk of what they change. Under tensor parallelism alone every rank holds the whole
+tokens and runs the patch as it is.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+
+import torch
+
+from .sequence import gather_chunks, take_chunk
+from ..plans.base import ModelPlan, PatchSite
+from ..plans.patches import PatchPlan, PatchRefused, declared_text, find_patch_plan, patch_plan_named
+
+log = logging.getLogger("parallel")
+
+PATCHES = "patches"
+MARK = "__model_patch__"  # a dict with this key is an encoded patch (plain data, every rank reads it)
+
+
+class HeldModel:
+    """Stands in for a patch's ComfyUI ModelPatcher on the ranks: the patch reads ``.model``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def models(self):
+        return []
+
+
+class LeftOnRankZero:
+    """Stands in for what a patch keeps on rank 0 (its VAE): the zero-argument queries declared for
+    it answer as rank 0's object did; anything else says why it is not here."""
+
+    def __init__(self, title: str, name: str, answers: dict):
+        self._title, self._name, self._answers = title, name, answers
+
+    def __getattr__(self, attr):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        if attr in self._answers:
+            return lambda: self._answers[attr]
+        raise PatchRefused(f"{self._title}: its '{self._name}' stays on rank 0, and the patch asked it for '{attr}' "
+                           "inside the sharded forward; run this patch without Shard Transformer")
+
+
+def _qualified(obj) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _describe(obj) -> str:
+    """A patch's class, or a function's own name (a node may set a plain function as a patch)."""
+    if hasattr(obj, "__code__") or isinstance(obj, type(len)):
+        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+    return _qualified(obj)
+
+
+def _refuse_undeclared(plan: ModelPlan, hook: str, patch) -> None:
+    raise PatchRefused(
+        f"{plan.title}: a node set a model patch of class {_describe(patch)} on transformer_options['patches']"
+        f"['{hook}']; the pack does not know how to run that class on every rank, and it would change rank 0's "
+        f"part only. Remove that node (or run without Shard Transformer). Model patches the pack runs sharded: "
+        f"{declared_text()}")
+
+
+def encode(options: dict | None, plan: ModelPlan, x) -> tuple[dict | None, list[torch.nn.Module]]:
+    """Rank 0, before a forward: ``options`` with each patch in ``options["patches"]`` replaced by its
+    plain-data form (a new dict; ComfyUI's stays as it is), and the patch models the call needs.
+    ``x``: the model's input latent (a patch's ``prepare`` reads its size). Refuses, naming the class,
+    a patch with no declaration, or one on a hook the model plan does not describe."""
+    hooks = (options or {}).get(PATCHES) or {}
+    if not any(hooks.values()):
+        return options, []
+    models: list[torch.nn.Module] = []
+    encoded = {}
+    for hook, entries in hooks.items():
+        encoded[hook] = [_encode_one(plan, hook, patch, x, models) for patch in entries]
+    return {**options, PATCHES: encoded}, models
+
+
+def _encode_one(plan: ModelPlan, hook: str, patch, x, models: list) -> dict:
+    spec = find_patch_plan(patch)
+    if spec is None:
+        _refuse_undeclared(plan, hook, patch)
+    if hook not in spec.hooks or hook not in plan.context_parallel.patch_sites:
+        raise PatchRefused(f"{spec.title} is set on transformer_options['patches']['{hook}'] of {plan.title}, where "
+                           f"the pack does not know how the model hands it its tokens; run without Shard Transformer")
+    if spec.prepare is not None and x is not None:
+        spec.prepare(patch, x)
+    state = dict(vars(patch))
+    held = {}
+    for attr in spec.models:
+        module = getattr(state.pop(attr), "model", None)
+        if not isinstance(module, torch.nn.Module):
+            raise PatchRefused(f"{spec.title}: its '{attr}' holds no model")
+        if not any(module is m for m in models):
+            models.append(module)
+        held[attr] = next(i for i, m in enumerate(models) if m is module)
+    left = {}
+    for attr, queries in spec.left.items():
+        value = state.pop(attr, None)
+        left[attr] = {q: getattr(value, q)() for q in queries} if value is not None else {}
+    return {MARK: _qualified(patch), "state": state, "models": held, "left": left}
+
+
+def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module]):
+    module_name, _, name = data[MARK].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name)
+    obj = cls.__new__(cls)  # as rank 0's object is, without running the constructor (it encodes images)
+    obj.__dict__.update(data["state"])
+    for attr, index in data["models"].items():
+        setattr(obj, attr, HeldModel(models[index]))
+    for attr, answers in data["left"].items():
+        setattr(obj, attr, LeftOnRankZero(spec.title, attr, answers))
+    return obj
+
+
+@contextlib.contextmanager
+def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module], ctx):
+    """For one forward on this rank: the encoded patches in ``options`` become callables that run
+    the patch under its declaration (``ctx``: the context-parallel forward, its streams and group)."""
+    hooks = (options or {}).get(PATCHES) or {}
+    if not any(hooks.values()):
+        yield
+        return
+    original = hooks
+    live = {}
+    for hook, entries in hooks.items():
+        live[hook] = []
+        for data in entries:
+            spec = patch_plan_named(data[MARK])
+            site = plan.context_parallel.patch_sites[hook]
+            live[hook].append(ShardedPatch(_rebuild(data, spec, models), spec, site, ctx))
+    options[PATCHES] = live
+    try:
+        yield
+    finally:
+        options[PATCHES] = original
+
+
+class ShardedPatch:
+    """One patch's calls during one forward on one rank."""
+
+    def __init__(self, patch, spec: PatchPlan, site: PatchSite, ctx):
+        self.patch, self.spec, self.site, self.ctx = patch, spec, site, ctx
+        self._cut = False
+
+    def __call__(self, kwargs: dict):
+        ctx = self.ctx
+        if ctx is None or ctx.parts == 1 or self.site.before_split:
+            return self.patch(kwargs)
+        if self.spec.tokens == "local":
+            self._cut_once()
+            return self.patch(kwargs)
+        return self._whole(kwargs)
+
+    def _cut_once(self) -> None:
+        if self._cut:
+            return
+        for spec in self.spec.cut:
+            value = getattr(self.patch, spec.arg, None)
+            if isinstance(value, torch.Tensor):
+                setattr(self.patch, spec.arg, self.ctx.split(value, spec, f"model patch {self.spec.title}"))
+        self._cut = True
+
+    def _whole(self, kwargs: dict):
+        ctx, site = self.ctx, self.site
+        group = ctx.sp_group
+        full = dict(kwargs)
+        mine: dict[str, tuple] = {}  # keyword -> (its local tensor, its stream)
+        for key, stream in site.tokens.items():
+            if isinstance(kwargs.get(key), torch.Tensor):
+                shard = ctx.streams[stream]
+                mine[key] = (kwargs[key], shard)
+                full[key] = gather_chunks(kwargs[key], 1, shard, group)
+        joint = None
+        if site.joint:
+            parts = [kwargs[k] for k in site.joint]
+            shard = ctx.streams[site.joint_stream]
+            whole = gather_chunks(torch.cat(parts, dim=1), 1, shard, group)
+            cuts = _joint_cuts(site, kwargs, whole.shape[1])
+            for key, (start, stop) in zip(site.joint, cuts):
+                full[key] = whole[:, start:stop]
+            joint = (parts, shard)
+        out = self.patch(full)
+        result = out if isinstance(out, dict) else full
+        for key, (local, shard) in mine.items():
+            local.copy_(take_chunk(result.get(key, full[key]), 1, shard))
+            if key in result:
+                result[key] = local
+        if joint is not None:
+            parts, shard = joint
+            changed = torch.cat([result.get(k, full[k]) for k in site.joint], dim=1)
+            chunk = take_chunk(changed, 1, shard)
+            for key, part, piece in zip(site.joint, parts, torch.split(chunk, [p.shape[1] for p in parts], dim=1)):
+                part.copy_(piece)
+                if key in result:
+                    result[key] = part
+        return out
+
+
+def _joint_cuts(site: PatchSite, kwargs: dict, total: int) -> list[tuple[int, int]]:
+    """The global (start, stop) of each joint keyword along the whole stream (two keywords: cut at
+    ``joint_at``)."""
+    if len(site.joint) != 2 or site.joint_at is None:
+        raise ValueError("PatchSite.joint takes two keywords and joint_at")
+    at = site.joint_at(kwargs, total)
+    return [(0, at), (at, total)]

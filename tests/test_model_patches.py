@@ -1,0 +1,130 @@
+"""Model patches (ControlNets that patch the transformer's forward) sharded under every layout.
+
+ComfyUI's own patch nodes on the tiny transformers, through a real server: Qwen-Image with
+``QwenImageDiffsynthControlnet`` (a per-token patch: each rank runs it on its tokens), Z-Image with
+``ZImageFunControlnet`` (the Fun ControlNet 2.1: its own attention blocks, run on the whole sequence)
+and Wan with ``WanUni3CControlnetApply`` (likewise). Each sharded run must equal the same graph
+unsharded, and the patch must change the result (a patch silently dropped would not). The patch
+models are tiny stand-ins of ComfyUI's own classes (tests/comfy_extensions/tiny_model_patches).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfy_server import PromptFailed
+from conftest import PACK  # the pack imported as ComfyUI imports it
+from test_comfy_families import final_latents, max_error
+from tiny_families import FAMILIES, family_prompt
+
+TOL = 1e-4
+LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "ring2": {"ring_size": 2}, "cfg2": {"cfg_size": 2},
+           "tp2": {"tp_size": 2}, "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2}}
+WAN_VAE = {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}}
+# family -> (patch node, patch model kind, VAE node, control image frames)
+CASES = {
+    "qwen_image": ("QwenImageDiffsynthControlnet", "qwen_diffsynth", WAN_VAE, 1),
+    "z_image": ("ZImageFunControlnet", "z_image_fun_2_1", {"class_type": "TinyImageVAE", "inputs": {}}, 1),
+    "wan": ("WanUni3CControlnetApply", "wan_uni3c", WAN_VAE, 9),
+}
+
+
+def _latent_pixels(family: str) -> tuple[int, int]:
+    inputs = FAMILIES[family].latent["inputs"]
+    return inputs["width"], inputs["height"]
+
+
+def patched_prompt(family: str, parallel: dict | None, strength: float = 1.0, image_seed: int = 5,
+                   size: tuple[int, int] | None = None) -> dict:
+    """The family's tiny graph with its patch node between the loader and Shard Transformer."""
+    node, kind, vae, frames = CASES[family]
+    width, height = size or _latent_pixels(family)
+    prompt = family_prompt(family, parallel)
+    prompt["60"] = {"class_type": "TinyModelPatchLoader", "inputs": {"kind": kind, "seed": 3}}
+    prompt["61"] = vae
+    prompt["62"] = {"class_type": "TinyPatternImage",
+                    "inputs": {"width": width, "height": height, "frames": frames, "seed": image_seed}}
+    inputs = {"model": ["1", 0], "model_patch": ["60", 0], "vae": ["61", 0], "strength": strength}
+    if node == "WanUni3CControlnetApply":
+        inputs.update(render_video=["62", 0], start_percent=0.0, end_percent=1.0)
+    else:
+        inputs["image"] = ["62", 0]
+    prompt["63"] = {"class_type": node, "inputs": inputs}
+    prompt["3" if "3" in prompt else "7"]["inputs"]["model"] = ["63", 0]
+    return prompt
+
+
+_references: dict = {}
+
+
+def reference(server, family: str, strength: float = 1.0):
+    key = (family, strength)
+    if key not in _references:
+        _references[key] = final_latents(server, patched_prompt(family, None, strength))
+    return _references[key]
+
+
+@pytest.mark.comfy_server
+@pytest.mark.parametrize("family", sorted(CASES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_patched_model_equals_unsharded(tiny_server, family, layout):
+    if family not in FAMILIES:
+        pytest.skip(f"{family} is not in this ComfyUI")
+    ref = reference(tiny_server, family)
+    out = final_latents(tiny_server, patched_prompt(family, LAYOUTS[layout]))
+    err = max_error(out, ref)
+    unpatched = max_error(final_latents(tiny_server, family_prompt(family, None)), ref) \
+        if layout == "ulysses2" else None
+    print(f"\n{family} with {CASES[family][0]} under {layout}: max abs err {err:.2e}"
+          + (f" (the patch changes the result by {unpatched:.2e})" if unpatched is not None else ""))
+    if unpatched is not None:
+        assert unpatched > 1e-3, "the patch does not change the result: the test would not see it dropped"
+    assert err <= TOL
+
+
+@pytest.mark.comfy_server
+def test_a_changed_strength_reaches_every_rank(tiny_server):
+    strong = reference(tiny_server, "qwen_image", 1.0)
+    weak = reference(tiny_server, "qwen_image", 0.3)
+    assert max_error(weak, strong) > 1e-3
+    for strength, ref in ((1.0, strong), (0.3, weak)):
+        out = final_latents(tiny_server, patched_prompt("qwen_image", {"ulysses_size": 2}, strength))
+        assert max_error(out, ref) <= TOL, strength
+    changed = final_latents(tiny_server, patched_prompt("qwen_image", {"ulysses_size": 2}, 1.0, image_seed=9))
+    assert max_error(changed, strong) > 1e-3  # another control image, sent with the next prompt
+    assert max_error(changed, final_latents(tiny_server, patched_prompt("qwen_image", None, 1.0, image_seed=9))) <= TOL
+
+
+@pytest.mark.comfy_server
+def test_a_control_image_of_another_size_is_refused_with_the_size_to_use(tiny_server):
+    width, height = _latent_pixels("qwen_image")
+    with pytest.raises(PromptFailed) as info:
+        final_latents(tiny_server, patched_prompt("qwen_image", {"ulysses_size": 2}, size=(width + 16, height)))
+    assert f"the latent needs {width}x{height}" in str(info.value)
+    assert f"Scale the control image (and inpaint image, mask) to {width}x{height}" in str(info.value)
+
+
+def test_an_undeclared_patch_class_is_refused_by_name():
+    from_pack = PACK.parallel_runtime
+    plans = from_pack.plans
+
+    class SomeoneElsesPatch:
+        def __call__(self, kwargs):
+            return kwargs
+
+    options = {"patches": {"double_block": [SomeoneElsesPatch()]}}
+    with pytest.raises(from_pack.plans.patches.PatchRefused) as info:
+        from_pack.parallel.model_patches.encode(options, plans.qwen_image.PLAN, torch.zeros(1, 16, 1, 8, 8))
+    message = str(info.value)
+    assert f"{__name__}.test_an_undeclared_patch_class_is_refused_by_name.<locals>.SomeoneElsesPatch" in message
+    assert "Qwen-Image DiffSynth / Fun ControlNet (DiffSynthCnetPatch)" in message  # what it does run
+    assert options["patches"]["double_block"][0].__class__ is SomeoneElsesPatch  # ComfyUI's options untouched
+
+
+def test_a_patch_on_a_hook_the_model_plan_does_not_describe_is_refused():
+    from_pack = PACK.parallel_runtime
+    patches = from_pack.plans.patches
+    fake = type("DiffSynthCnetPatch", (), {"__module__": patches.NODES})()  # the declared class's name
+    with pytest.raises(patches.PatchRefused, match=r"\['noise_refiner'\] of Qwen-Image"):
+        from_pack.parallel.model_patches.encode({"patches": {"noise_refiner": [fake]}},
+                                                from_pack.plans.qwen_image.PLAN, None)
