@@ -58,6 +58,7 @@ def tiny_server(tiny_base, comfyui_path):
                          extra_custom_nodes=[extensions / "tiny_config_from_metadata",
                                              extensions / "simulated_comfyui_update",
                                              extensions / "user_plan_model",
+                                             extensions / "tiny_model_patches",
                                              *([gguf] if gguf.is_dir() else [])]).start()
     yield server
     server.stop()
