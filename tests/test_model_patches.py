@@ -19,7 +19,8 @@ from tiny_families import FAMILIES, family_prompt
 
 TOL = 1e-4
 LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "ring2": {"ring_size": 2}, "cfg2": {"cfg_size": 2},
-           "tp2": {"tp_size": 2}, "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2}}
+           "tp2": {"tp_size": 2},
+           "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2, "devices": "cpu,cpu,cpu,cpu"}}
 WAN_VAE = {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}}
 # family -> (patch node, patch model kind, VAE node, control image frames)
 CASES = {

@@ -20,7 +20,7 @@ import torch
 
 from .sequence import gather_chunks, take_chunk
 from ..plans.base import ModelPlan, PatchSite
-from ..plans.patches import PatchPlan, PatchRefused, declared_text, find_patch_plan, patch_plan_named
+from ..plans.patches import PatchPlan, PatchRefused, class_name, declared_text, find_patch_plan, patch_plan_named
 
 log = logging.getLogger("parallel")
 
@@ -111,7 +111,8 @@ def _encode_one(plan: ModelPlan, hook: str, patch, x, models: list) -> dict:
     for attr, queries in spec.left.items():
         value = state.pop(attr, None)
         left[attr] = {q: getattr(value, q)() for q in queries} if value is not None else {}
-    return {MARK: _qualified(patch), "state": state, "models": held, "left": left}
+    # Every rank imports the class by the name the declaration gives it (rank 0's may be a file path).
+    return {MARK: class_name(patch), "state": state, "models": held, "left": left}
 
 
 def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module]):

@@ -102,7 +102,17 @@ PLANS: tuple[PatchPlan, ...] = (
 
 
 def find_patch_plan(obj) -> PatchPlan | None:
-    return patch_plan_named(f"{type(obj).__module__}.{type(obj).__qualname__}")
+    return patch_plan_named(class_name(obj))
+
+
+def class_name(obj) -> str:
+    """The qualified name of ``obj``'s class as the declarations write it. ComfyUI imports its
+    ``comfy_extras`` node modules under their file path (``/.../ComfyUI/comfy_extras/nodes_model_patch``):
+    such a name is read as the dotted module it is inside ComfyUI."""
+    module = type(obj).__module__
+    if "/" in module or "\\" in module:
+        module = ".".join(module.replace("\\", "/").rstrip("/").split("/")[-2:])
+    return f"{module}.{type(obj).__qualname__}"
 
 
 def patch_plan_named(name: str) -> PatchPlan | None:
@@ -122,4 +132,4 @@ def declared_text() -> str:
 MODEL_PLAN = ModelPlan(family="model_patch", title="model patch", classes=(), heads_attr="",
                        context_parallel=ContextParallelPlan(inputs={}, outputs={}, attention={}), kind="patch")
 
-__all__ = ["MODEL_PLAN", "PLANS", "PatchPlan", "PatchRefused", "declared_text", "find_patch_plan", "patch_plan_named"]
+__all__ = ["MODEL_PLAN", "PLANS", "PatchPlan", "PatchRefused", "declared_text", "find_patch_plan", "class_name", "patch_plan_named"]

@@ -56,6 +56,8 @@ class _ModulePickler(ForkingPickler):
             return _quantized_reduction(obj)
         if isinstance(obj, type) and "<locals>" in obj.__qualname__:
             return _local_class_reduction(obj)
+        if isinstance(obj, type) and _file_module(obj.__module__):
+            return _class_in_file, (obj.__module__, obj.__qualname__)
         if isinstance(obj, types.FunctionType) and ("<lambda>" in obj.__qualname__ or "<locals>" in obj.__qualname__):
             return _function_by_code(obj)
         if isinstance(obj, torch.nn.Module) and ("forward" in obj.__dict__ or self.module_state is not None):
@@ -101,6 +103,19 @@ def _shared_cpu(t: torch.Tensor) -> torch.Tensor:
     if not t.is_shared():
         t.share_memory_()
     return t
+
+
+def _file_module(name: str) -> bool:
+    """A module ComfyUI imported under its file path (its ``comfy_extras`` node modules): pickle cannot
+    name it when the path has a dot in it (``__import__`` reads the dots as packages)."""
+    return os.path.isabs(name) and os.path.isfile(name + ".py")
+
+
+def _class_in_file(module: str, qualname: str) -> type:
+    value = import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _local_class_reduction(cls: type):
@@ -376,7 +391,11 @@ def import_module(name: str):
     """``importlib.import_module``, also for the modules of ComfyUI custom node packs, which
     ComfyUI imports under their folder's path (dots as ``_x_``) rather than an importable name:
     a layer class, hook or patch from another node pack travels to the workers like ComfyUI's own.
-    A pack's own ``__init__`` runs only when what is asked for needs it."""
+    A pack's own ``__init__`` runs only when what is asked for needs it. ComfyUI's own
+    ``comfy_extras`` node modules it imports under their file path without ``.py`` (the Qwen-Image
+    DiffSynth ControlNet's class lives in ``comfy_extras/nodes_model_patch``): loaded from that file."""
+    if os.path.isabs(name) and name not in sys.modules and os.path.isfile(name + ".py"):
+        return _import_file(name)
     top = name.split(".", 1)[0]
     if top in _PENDING_PACKAGE_INIT:
         if name != top:
@@ -400,6 +419,17 @@ def import_module(name: str):
         sys.modules[top] = importlib.util.module_from_spec(spec)
         _PENDING_PACKAGE_INIT.add(top)
         return import_module(name)
+
+
+def _import_file(name: str):
+    spec = importlib.util.spec_from_file_location(name, name + ".py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
 
 
 def _run_package_init(top: str) -> None:

@@ -172,4 +172,25 @@ class TinyImageVAE:
         return (TinyImageAutoencoder(),)
 
 
-NODE_CLASS_MAPPINGS = {"TinyModelPatchLoader": TinyModelPatchLoader, "TinyImageVAE": TinyImageVAE}
+class TinyPatternImage:
+    """A seeded random image (or ``frames`` of video) as a control input: every pixel differs, so a
+    control token given to the wrong image token changes the result (a flat image would hide it)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"width": ("INT", {"default": 80, "min": 8, "max": 4096}),
+                             "height": ("INT", {"default": 112, "min": 8, "max": 4096}),
+                             "frames": ("INT", {"default": 1, "min": 1, "max": 256}),
+                             "seed": ("INT", {"default": 5, "min": 0, "max": 2**31})}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, width, height, frames, seed):
+        generator = torch.Generator().manual_seed(seed)
+        return (torch.rand(frames, height, width, 3, generator=generator),)
+
+
+NODE_CLASS_MAPPINGS = {"TinyModelPatchLoader": TinyModelPatchLoader, "TinyImageVAE": TinyImageVAE,
+                       "TinyPatternImage": TinyPatternImage}
