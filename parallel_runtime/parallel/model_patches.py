@@ -83,19 +83,32 @@ def encode(options: dict | None, plan: ModelPlan, x) -> tuple[dict | None, list[
     if not any(hooks.values()):
         return options, []
     models: list[torch.nn.Module] = []
+    objects: dict[int, int] = {}  # id(patch) -> its number: one object set on several hooks stays one
     encoded = {}
     for hook, entries in hooks.items():
-        encoded[hook] = [_encode_one(plan, hook, patch, x, models) for patch in entries]
+        encoded[hook] = []
+        for patch in entries:
+            number = objects.get(id(patch))
+            if number is None:
+                number = objects[id(patch)] = len(objects)
+                encoded[hook].append({**_encode_one(plan, hook, patch, x, models), "object": number})
+            else:  # the same object again (Z-Image's patch: on the noise refiner and the main layers)
+                _check_hook(plan, find_patch_plan(patch), hook)
+                encoded[hook].append({MARK: class_name(patch), "object": number})
     return {**options, PATCHES: encoded}, models
+
+
+def _check_hook(plan: ModelPlan, spec: PatchPlan, hook: str) -> None:
+    if hook not in spec.hooks or hook not in plan.context_parallel.patch_sites:
+        raise PatchRefused(f"{spec.title} is set on transformer_options['patches']['{hook}'] of {plan.title}, where "
+                           f"the pack does not know how the model hands it its tokens; run without Shard Transformer")
 
 
 def _encode_one(plan: ModelPlan, hook: str, patch, x, models: list) -> dict:
     spec = find_patch_plan(patch)
     if spec is None:
         _refuse_undeclared(plan, hook, patch)
-    if hook not in spec.hooks or hook not in plan.context_parallel.patch_sites:
-        raise PatchRefused(f"{spec.title} is set on transformer_options['patches']['{hook}'] of {plan.title}, where "
-                           f"the pack does not know how the model hands it its tokens; run without Shard Transformer")
+    _check_hook(plan, spec, hook)
     if spec.prepare is not None and x is not None:
         spec.prepare(patch, x)
     state = dict(vars(patch))
@@ -136,13 +149,15 @@ def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module]
         yield
         return
     original = hooks
-    live = {}
+    live, rebuilt = {}, {}  # rebuilt: object number -> (the patch, its tensors cut already)
     for hook, entries in hooks.items():
         live[hook] = []
         for data in entries:
             spec = patch_plan_named(data[MARK])
+            if data["object"] not in rebuilt:
+                rebuilt[data["object"]] = Rebuilt(_rebuild(data, spec, models))
             site = plan.context_parallel.patch_sites[hook]
-            live[hook].append(ShardedPatch(_rebuild(data, spec, models), spec, site, ctx))
+            live[hook].append(ShardedPatch(rebuilt[data["object"]], spec, site, ctx))
     options[PATCHES] = live
     try:
         yield
@@ -150,12 +165,23 @@ def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module]
         options[PATCHES] = original
 
 
-class ShardedPatch:
-    """One patch's calls during one forward on one rank."""
+class Rebuilt:
+    """A patch object as this rank runs it for one forward (shared by the hooks it is set on)."""
 
-    def __init__(self, patch, spec: PatchPlan, site: PatchSite, ctx):
-        self.patch, self.spec, self.site, self.ctx = patch, spec, site, ctx
-        self._cut = False
+    def __init__(self, patch):
+        self.patch = patch
+        self.cut = False
+
+
+class ShardedPatch:
+    """One patch's calls on one hook during one forward on one rank."""
+
+    def __init__(self, rebuilt: Rebuilt, spec: PatchPlan, site: PatchSite, ctx):
+        self.rebuilt, self.spec, self.site, self.ctx = rebuilt, spec, site, ctx
+
+    @property
+    def patch(self):
+        return self.rebuilt.patch
 
     def __call__(self, kwargs: dict):
         ctx = self.ctx
@@ -167,13 +193,13 @@ class ShardedPatch:
         return self._whole(kwargs)
 
     def _cut_once(self) -> None:
-        if self._cut:
+        if self.rebuilt.cut:
             return
         for spec in self.spec.cut:
             value = getattr(self.patch, spec.arg, None)
             if isinstance(value, torch.Tensor):
                 setattr(self.patch, spec.arg, self.ctx.split(value, spec, f"model patch {self.spec.title}"))
-        self._cut = True
+        self.rebuilt.cut = True
 
     def _whole(self, kwargs: dict):
         ctx, site = self.ctx, self.site
@@ -194,15 +220,16 @@ class ShardedPatch:
             for key, (start, stop) in zip(site.joint, cuts):
                 full[key] = whole[:, start:stop]
             joint = (parts, shard)
+        sent = dict(full)  # a patch may pop what it changes in place (Z-Image's pops img and txt)
         out = self.patch(full)
         result = out if isinstance(out, dict) else full
         for key, (local, shard) in mine.items():
-            local.copy_(take_chunk(result.get(key, full[key]), 1, shard))
+            local.copy_(take_chunk(result.get(key, sent[key]), 1, shard))
             if key in result:
                 result[key] = local
         if joint is not None:
             parts, shard = joint
-            changed = torch.cat([result.get(k, full[k]) for k in site.joint], dim=1)
+            changed = torch.cat([result.get(k, sent[k]) for k in site.joint], dim=1)
             chunk = take_chunk(changed, 1, shard)
             for key, part, piece in zip(site.joint, parts, torch.split(chunk, [p.shape[1] for p in parts], dim=1)):
                 part.copy_(piece)
