@@ -6,6 +6,7 @@ top-level package, the way the workers import it.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -185,12 +186,52 @@ def check_every_family(world, built, cases, tol: float, compile=None, forwards: 
 LAYOUT_PARAMS = ("layout", "hybrid", "parallel")
 
 
-def pytest_collection_modifyitems(items):
-    """Within each module that sets ``LAYOUT_MAJOR = True``, the tests that run in a named layout
+FULL_ENV = "PARALLEL_FULL_SUITE"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the rest of the layout matrix: the cases each module's QUICK_TIER rule leaves out "
+                          f"of the default run (or set {FULL_ENV}=1); they carry the 'matrix' marker")
+
+
+def in_quick_tier(item) -> bool:
+    """A module may define ``QUICK_TIER(test_name, params) -> bool``: the default run keeps only the
+    cases it accepts (each feature under its representative layouts and families), the full run
+    (``--full``) all of them (``-m smoke`` selects within the tier it runs in)."""
+    rule = getattr(item.module, "QUICK_TIER", None)
+    if rule is None:
+        return True
+    return bool(rule(item.originalname, getattr(getattr(item, "callspec", None), "params", {})))
+
+
+def _select_tier(config, items) -> None:
+    deselected = []
+    for item in items:
+        if not in_quick_tier(item):
+            item.add_marker("matrix")
+            deselected.append(item)
+    if config.getoption("--full") or os.environ.get(FULL_ENV) == "1" or not deselected:
+        return
+    config.hook.pytest_deselected(items=deselected)
+    kept = set(map(id, deselected))
+    items[:] = [item for item in items if id(item) not in kept]
+
+
+def pytest_report_header(config):
+    full = config.getoption("--full") or os.environ.get(FULL_ENV) == "1"
+    return ("tier: full (the whole layout matrix)" if full else
+            "tier: quick (each feature under its representative layouts; --full adds the 'matrix' cases)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tier first (``in_quick_tier``). Then, within each module that sets ``LAYOUT_MAJOR = True``, the tests that run in a named layout
     are grouped by that layout, in the order the layouts first appear (the rest keep their place
     before them). A world restarts with its workers whenever the layout changes, so layout-major
     order starts it once per layout, not once per test group (tests/test_comfy_families.py has a
     group per family and feature)."""
+    _select_tier(config, items)
+
     def layout_of(item):
         if not getattr(item.module, "LAYOUT_MAJOR", False):
             return None

@@ -72,6 +72,12 @@ LAYOUTS = {
 }
 
 
+def QUICK_TIER(test: str, params: dict) -> bool:
+    """The default run (conftest.in_quick_tier): compiled Ulysses 2 (TorchCompileModel before the shard
+    node) and compiled Ulysses 2 x TP 2; ``--full``: every layout."""
+    return test != "test_compiled_layout_equals_eager_unsharded" or params["layout"] in ("ulysses2", "ulysses2_tp2")
+
+
 def graphs(tiny_prompt: dict, parallel: dict, family):
     """(sharded graph, the same graph without Shard Transformer)."""
     if family is not None:

@@ -24,6 +24,26 @@ LAYOUT_MAJOR = True  # conftest runs the tests grouped by layout: the world rest
 TOL = 1e-4
 TP2_BYTES_LIMIT = 0.52
 LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "tp2": {"tp_size": 2}}
+
+# TP 2 through the server in the default run: the reference families and those whose TP has no
+# in-process case (LTX-2's audio and video, ERNIE-Image's object-patched forward, MiniMax-H3).
+TP_QUICK = ("flux", "wan", "qwen_image", "z_image", "ltxav", "ernie_image", "minimax_h3")
+
+
+def QUICK_TIER(test: str, params: dict) -> bool:
+    """The default run (conftest.in_quick_tier): every family under Ulysses 2 through the server (its
+    loader, detection and plan), TP 2 for the families named in TP_QUICK (every family's TP plan is also
+    checked in process, tests/test_tensor_parallel.py), the four-rank hybrids on Wan, the other layouts
+    for the two-stream families (LTX-2's audio and video, MiniMax-H3's packed segments) and one Hunyuan
+    model; ``--full`` runs them all."""
+    if test == "test_family_equals_unsharded":
+        return params["layout"] != "tp2" or params["family"] in TP_QUICK
+    if test == "test_four_rank_hybrids":
+        return params["family"] == "wan"
+    if test == "test_family_under_the_other_layouts":
+        return params["family"] in ("ltxav_i2v", "minimax_h3") or \
+            (params["family"] == "hunyuan_video15" and params["layout"] == "ring2")
+    return True
 _references = {}
 
 

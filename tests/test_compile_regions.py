@@ -13,6 +13,12 @@ from parallel_runtime.parallel.compile_regions import (CompileSettings, compiled
 from parallel_runtime.plans import PLANS, plan_for_family
 
 
+
+def QUICK_TIER(test: str, params: dict) -> bool:
+    """The default run (conftest.in_quick_tier) compiles Wan in a server under two layouts
+    (test_comfy_compile.py) and the tests here compile one model each; ``--full`` compiles every family's blocks."""
+    return test != "test_every_family_compiled_under_ulysses_2_equals_one_process"
+
 def test_settings_come_from_the_compile_nodes_model_options():
     assert CompileSettings.from_model_options({}) is None
     options = {"torch_compile_kwargs": {"backend": "inductor", "options": {"guard_filter_fn": len, "x": 1},

@@ -96,6 +96,12 @@ CASES = [(node, layout, family, "after") for node in THRESHOLD for layout in LAY
     [(node, "tp2", "wan", "before") for node in THRESHOLD if "wan" in FAMILY_LIST]
 
 
+def QUICK_TIER(test: str, params: dict) -> bool:
+    """The default run (conftest.in_quick_tier): each node under each layout on one family (Wan), and the
+    node before Shard Transformer; ``--full``: every family."""
+    return params.get("family", "wan") == "wan"
+
+
 @pytest.mark.parametrize("node,layout,family,place", CASES, ids=["-".join(c) for c in CASES])
 def test_sharded_core_cache_equals_unsharded(tiny_server, node, layout, family, place):
     plain, ref, ref_skipped = reference(tiny_server, family, node)

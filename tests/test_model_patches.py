@@ -21,6 +21,15 @@ TOL = 1e-4
 LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "ring2": {"ring_size": 2}, "cfg2": {"cfg_size": 2},
            "tp2": {"tp_size": 2},
            "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2, "devices": "cpu,cpu,cpu,cpu"}}
+
+
+def QUICK_TIER(test: str, params: dict) -> bool:
+    """The default run (conftest.in_quick_tier): each patch under Ulysses 2 (one per-token patch and two
+    whole-sequence ones), and Ring 2, TP 2, CFG 2 and Ulysses 2 x TP 2 on one of each kind; ``--full``: all."""
+    if test != "test_patched_model_equals_unsharded":
+        return True
+    return params["layout"] == "ulysses2" or params["family"] == ("qwen_image" if params["layout"] in ("tp2", "cfg2")
+                                                                  else "z_image")
 WAN_VAE = {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}}
 # family -> (patch node, patch model kind, VAE node, control image frames)
 CASES = {
