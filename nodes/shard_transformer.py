@@ -17,6 +17,8 @@ from ..parallel_runtime.plans import check_plan_matches, find_plan, supported_mo
 from ..parallel_runtime.plans.base import PlanMismatch
 from ..parallel_runtime.world.runtime import RUNTIME
 from ..parallel_runtime.layout.refusal import plan_refusal
+from ..parallel_runtime.parallel.model_patches import refuse_unknown as refuse_unknown_patches
+from ..parallel_runtime.plans.patches import PatchRefused
 from ..parallel_runtime.weights.shards import shard_nbytes
 from ..parallel_runtime.comfyui_glue.first_step_check import FirstStep, requested
 from ..parallel_runtime.comfyui_glue.user_plans import fingerprint as user_plans_fingerprint, plan_folders
@@ -102,6 +104,10 @@ class ShardTransformerNode(io.ComfyNode):
                               "plan), then switch it off and TP back on")
         diffusion_model = model.model.diffusion_model
         plan = check_model(diffusion_model, parallel_config)
+        try:  # model patches set before this node (after it: refused at the first step, by the same check)
+            refuse_unknown_patches(getattr(model, "model_options", {}).get("transformer_options"), plan)
+        except PatchRefused as exc:
+            raise ConfigError(f"{NODE}: {exc}") from exc
         if parallel_config.world_size > 1:
             patched = sharded_patcher(model, transformer_sharding(model, diffusion_model, plan, parallel_config))
         else:

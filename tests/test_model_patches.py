@@ -138,3 +138,22 @@ def test_a_patch_on_a_hook_the_model_plan_does_not_describe_is_refused():
     with pytest.raises(patches.PatchRefused, match=r"\['noise_refiner'\] of Qwen-Image"):
         from_pack.parallel.model_patches.encode({"patches": {"noise_refiner": [fake]}},
                                                 from_pack.plans.qwen_image.PLAN, None)
+
+
+def test_shard_transformer_refuses_a_model_carrying_an_undeclared_patch():
+    """A patch set before Shard Transformer is refused by the node itself, before any worker starts."""
+    from tiny_models import TinyWan, build_wan_model
+    from test_node_refusals import config, fake_model, no_world_started
+
+    class StyleInjector:
+        def __call__(self, kwargs):
+            return kwargs
+
+    model = fake_model(build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=1), text_dim=64))
+    model.model_options = {"transformer_options": {"patches": {"double_block": [StyleInjector()]}}}
+    with pytest.raises(PACK.parallel_runtime.config.ConfigError) as info:
+        PACK.nodes.ShardTransformerNode.execute(model, config(ulysses_size=2))
+    message = str(info.value)
+    assert message.startswith("Shard Transformer: Wan 2.1 / 2.2: a node set a model patch of class ")
+    assert "StyleInjector on transformer_options['patches']['double_block']" in message
+    assert no_world_started()

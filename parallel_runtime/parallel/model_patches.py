@@ -74,6 +74,17 @@ def _refuse_undeclared(plan: ModelPlan, hook: str, patch) -> None:
         f"{declared_text()}")
 
 
+def refuse_unknown(options: dict | None, plan: ModelPlan) -> None:
+    """Refuse, naming its class, a model patch in ``options["patches"]`` that the pack cannot run on
+    every rank: the one check Shard Transformer makes on the model it is given and every forward makes."""
+    for hook, entries in ((options or {}).get(PATCHES) or {}).items():
+        for patch in entries:
+            spec = find_patch_plan(patch)
+            if spec is None:
+                _refuse_undeclared(plan, hook, patch)
+            _check_hook(plan, spec, hook)
+
+
 def encode(options: dict | None, plan: ModelPlan, x) -> tuple[dict | None, list[torch.nn.Module]]:
     """Rank 0, before a forward: ``options`` with each patch in ``options["patches"]`` replaced by its
     plain-data form (a new dict; ComfyUI's stays as it is), and the patch models the call needs.
@@ -82,6 +93,7 @@ def encode(options: dict | None, plan: ModelPlan, x) -> tuple[dict | None, list[
     hooks = (options or {}).get(PATCHES) or {}
     if not any(hooks.values()):
         return options, []
+    refuse_unknown(options, plan)
     models: list[torch.nn.Module] = []
     objects: dict[int, int] = {}  # id(patch) -> its number: one object set on several hooks stays one
     encoded = {}
@@ -93,7 +105,6 @@ def encode(options: dict | None, plan: ModelPlan, x) -> tuple[dict | None, list[
                 number = objects[id(patch)] = len(objects)
                 encoded[hook].append({**_encode_one(plan, hook, patch, x, models), "object": number})
             else:  # the same object again (Z-Image's patch: on the noise refiner and the main layers)
-                _check_hook(plan, find_patch_plan(patch), hook)
                 encoded[hook].append({MARK: class_name(patch), "object": number})
     return {**options, PATCHES: encoded}, models
 
@@ -106,9 +117,6 @@ def _check_hook(plan: ModelPlan, spec: PatchPlan, hook: str) -> None:
 
 def _encode_one(plan: ModelPlan, hook: str, patch, x, models: list) -> dict:
     spec = find_patch_plan(patch)
-    if spec is None:
-        _refuse_undeclared(plan, hook, patch)
-    _check_hook(plan, spec, hook)
     if spec.prepare is not None and x is not None:
         spec.prepare(patch, x)
     state = dict(vars(patch))
