@@ -9,11 +9,15 @@ Mistral tokenizer does not run under transformers 5, so the tiny T5-base stands 
 itself; Shard Text Encoder still splits it over the example's 4 ranks. Only file names, that one
 loader type, sizes and step counts change: the graphs, nodes and links are as shipped.
 
-The LTX-2 and HunyuanVideo 1.5 examples have no tiny stand-ins yet (LTX-2's checkpoint holds the
-transformer, both VAEs and Gemma's projection; HunyuanVideo 1.5 needs its transformer, VAE and two
-encoders): ComfyUI's own /prompt validation checks them against the live node registry instead, with
-empty files of the official names, and the run must get as far as a loader. Their nodes are
-ComfyUI 0.33's: on 0.3.75 those two tests skip.
+The LTX-2, HunyuanVideo 1.5 and Z-Image Fun ControlNet examples have no tiny stand-ins yet
+(LTX-2's checkpoint holds the transformer, both VAEs and Gemma's projection; HunyuanVideo 1.5 needs
+its transformer, VAE and two encoders; ModelPatchLoader builds the Fun ControlNet at Z-Image's full
+width, so no small file loads through it, and Qwen3-4B has no tiny file): ComfyUI's own /prompt
+validation checks them against the live node registry instead, with empty files of the official
+names (and a small control image for LoadImage), and the run must get as far as a loader. Their
+nodes are ComfyUI 0.33's: on 0.3.75 those tests skip. The Z-Image example's wiring (the ControlNet
+before Shard Transformer, Shard VAE encoding its control image, one Parallel Config for all four
+parts) is checked on the file itself.
 """
 import copy
 
@@ -45,12 +49,15 @@ MODEL_SWAPS = {
 # Mistral 3 has no small stand-in the stock loader builds (see above): T5-base is loaded as what it is.
 TYPE_SWAPS = {"tiny_t5_base.safetensors": "stable_audio"}
 FILE_INPUTS = ("unet_name", "vae_name", "clip_name", "clip_name1", "clip_name2")
-REGISTRY_ONLY = ("ltx2_t2v_audio_ulysses2_tp2_shard_te_vae.json", "hunyuan_video15_t2v_ulysses2_shard_vae.json")
+Z_IMAGE_CONTROLNET = "z_image_turbo_fun_controlnet_ulysses2_shard_te_vae.json"
+REGISTRY_ONLY = ("ltx2_t2v_audio_ulysses2_tp2_shard_te_vae.json", "hunyuan_video15_t2v_ulysses2_shard_vae.json",
+                 Z_IMAGE_CONTROLNET)
 MODEL_FOLDERS = {"unet_name": "diffusion_models", "vae_name": "vae", "clip_name": "text_encoders",
                  "clip_name1": "text_encoders", "clip_name2": "text_encoders", "text_encoder": "text_encoders",
                  "ckpt_name": "checkpoints"}
-LOADERS = {"CheckpointLoaderSimple", "LTXAVTextEncoderLoader", "LTXVAudioVAELoader", "UNETLoader", "DualCLIPLoader",
-           "VAELoader"}
+NODE_FOLDERS = {("ModelPatchLoader", "name"): "model_patches"}  # an input name too common to map for every node
+LOADERS = {"CheckpointLoaderSimple", "LTXAVTextEncoderLoader", "LTXVAudioVAELoader", "UNETLoader", "CLIPLoader",
+           "DualCLIPLoader", "VAELoader", "ModelPatchLoader"}
 
 
 @pytest.fixture(scope="module")
@@ -114,16 +121,25 @@ def test_template_browser_lists_and_serves_every_example(tiny_server):
 
 
 def _placeholder_files(prompt: dict, base) -> list:
-    """An empty file under each model name the prompt loads (only those not there already)."""
+    """An empty file under each model name the prompt loads, and a small image under each name LoadImage
+    loads (only those not there already)."""
+    from PIL import Image
+
     made = []
     for node in prompt.values():
-        for name, folder in MODEL_FOLDERS.items():
+        folders = {**MODEL_FOLDERS, **{name: f for (kind, name), f in NODE_FOLDERS.items() if kind == node["class_type"]}}
+        for name, folder in folders.items():
             value = node["inputs"].get(name)
             path = base / "models" / folder / value if isinstance(value, str) else None
             if path is not None and not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.touch()
                 made.append(path)
+        image = node["inputs"].get("image") if node["class_type"] == "LoadImage" else None
+        if isinstance(image, str) and not (base / "input" / image).exists():
+            (base / "input").mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (64, 64), (128, 128, 128)).save(base / "input" / image)
+            made.append(base / "input" / image)
     return made
 
 
@@ -153,3 +169,43 @@ def test_example_workflow_passes_comfyui_validation(name, tiny_server, tiny_base
             path.unlink()
     print(f"\n{name}: accepted by ComfyUI; the run stopped at {failed.value.error.get('node_type')} (empty file)")
     assert failed.value.error.get("node_type") in LOADERS
+
+
+def test_z_image_controlnet_example_is_wired_for_five_parallel_parts():
+    """Z-Image Fun ControlNet 2.1 (cache-dit's "5D" case): Shard Transformer shards the model the ControlNet
+    patched, Shard VAE both encodes the control image (scaled to the latent's size, which the sharded
+    forward requires) and decodes, Shard Text Encoder feeds the prompt, all from one Ulysses-2 Parallel Config;
+    the note names every official file with its folder."""
+    workflow = load(WORKFLOWS / Z_IMAGE_CONTROLNET)
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    links = {link[0]: link for link in workflow["links"]}
+
+    def source(node, socket):
+        (link,) = [links[s["link"]] for s in node["inputs"] if s["name"] == socket and s["link"] is not None]
+        return nodes[link[1]]
+
+    def one(kind):
+        (node,) = [n for n in nodes.values() if n["type"] == kind]
+        return node
+
+    shard, controlnet, decode = one("ShardTransformer"), one("ZImageFunControlnet"), one("VAEDecode")
+    assert source(shard, "model") is controlnet and source(controlnet, "model")["type"] == "UNETLoader"
+    assert source(controlnet, "model_patch")["widgets_values"] == ["Z-Image-Turbo-Fun-Controlnet-Union-2.1.safetensors"]
+    assert source(controlnet, "vae") is one("ShardVAE") is source(decode, "vae")
+    assert source(one("CLIPTextEncode"), "clip") is one("ShardTextEncoder")
+    assert source(one("ShardTextEncoder"), "clip")["widgets_values"][:2] == ["qwen_3_4b.safetensors", "lumina2"]
+    assert source(one("KSampler"), "model") is shard
+    scale, latent = source(controlnet, "image"), one("EmptySD3LatentImage")
+    assert scale["type"] == "ImageScale" and scale["widgets_values"][1:3] == latent["widgets_values"][:2]
+    assert source(scale, "image")["type"] == "LoadImage"
+    config = one("ParallelConfig")
+    assert config["widgets_values"][:4] == [2, 1, 1, 1]  # ulysses 2, ring 1, tp 1, cfg 1: 2 GPUs
+    assert all(source(nodes[i], "parallel_config") is config for i in (shard["id"], one("ShardTextEncoder")["id"],
+                                                                      one("ShardVAE")["id"]))
+    steps, cfg = one("KSampler")["widgets_values"][2:4]
+    assert 8 <= steps <= 9 and cfg == 1.0  # Z-Image Turbo
+    note = one("Note")["widgets_values"][0]
+    for path in ("diffusion_models/z_image_turbo_bf16.safetensors", "text_encoders/qwen_3_4b.safetensors",
+                 "vae/ae.safetensors", "model_patches/Z-Image-Turbo-Fun-Controlnet-Union-2.1.safetensors"):
+        assert path in note
+    assert "5D" in note and "every rank" in note
