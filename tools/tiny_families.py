@@ -10,16 +10,18 @@ prompt embeddings written next to them.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from tiny_models import (_seeded_, ltx2_video_vae_state_dict, make, siglip_tiny_state_dict, stating_config,
-                         taehv_hv15_state_dict, write_conditioning_dataset)
+from tiny_models import (_random_state_dict, _seeded_, ltx2_video_vae_state_dict, make, siglip_tiny_state_dict,
+                         stating_config, taehv_hv15_state_dict, write_conditioning_dataset)
 from workflows import parallel_config_node
 
 TEXT_DIM = 64
@@ -38,8 +40,31 @@ CLIP_VISION_FILE = "tiny_siglip_1152.safetensors"
 HV15_VAE_FILE = "tiny_lighttaehy1_5.safetensors"
 # LTX-2 image-to-video and keyframes: the tiny LTX-2 video VAE (32x, 8x) that encodes the images.
 LTX2_VAE_FILE = "tiny_ltx2_video_vae.safetensors"
+# A Flux ControlNet (XLabs' file layout, which ControlNetLoader detects as Flux from its blocks): the
+# tiny Flux's width 256 (its residuals add to the transformer's tokens), so detection gives 2 heads
+# of 128; one double and one single block.
+FLUX_CONTROLNET_FILE = "tiny_flux_controlnet.safetensors"
+
+
+def flux_controlnet_state_dict(seed: int = 41) -> dict:
+    import comfy.ldm.flux.controlnet
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    config = dict(in_channels=16, out_channels=16, vec_in_dim=TEXT_DIM, context_in_dim=TEXT_DIM, hidden_size=256,
+                  mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56], theta=10000,
+                  qkv_bias=True, guidance_embed=True, patch_size=2)
+    if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:  # 0.33 on
+        config["txt_ids_dims"] = []
+    sd = _random_state_dict(lambda: make(comfy.ldm.flux.controlnet.ControlNetFlux, image_model="flux",
+                                         dtype=torch.float32, operations=comfy.ops.disable_weight_init, **config), seed)
+    # BFL's names for the q/k norms, as in the released files (ComfyUI renames them when it loads).
+    return {re.sub(r"(query_norm|key_norm)\.weight$", r"\1.scale", k): v.contiguous() for k, v in sd.items()}
+
+
 # (folder, file) -> (builder, the module a file newer than ComfyUI 0.3.75 needs, or None)
-SIDE_FILES = {("clip_vision", CLIP_VISION_FILE): (siglip_tiny_state_dict, None),
+SIDE_FILES = {("controlnet", FLUX_CONTROLNET_FILE): (flux_controlnet_state_dict, None),
+              ("clip_vision", CLIP_VISION_FILE): (siglip_tiny_state_dict, None),
               ("vae", HV15_VAE_FILE): (taehv_hv15_state_dict, None),
               ("vae", LTX2_VAE_FILE): (ltx2_video_vae_state_dict, "comfy.ldm.lightricks.av_model")}
 

@@ -27,7 +27,8 @@ from .patcher import note_patcher, source_of
 from ..config import ParallelConfig
 from ..parallel import arguments
 from ..parallel.compile_regions import COMPILE_OPTION, CompileSettings
-from ..plans import plan_for_family
+from ..layout.refusal import plan_refusal
+from ..plans import find_controlnet_plan, plan_for_family
 from ..world.runtime import RUNTIME
 
 log = logging.getLogger("parallel")
@@ -66,7 +67,67 @@ class ShardedRun:
         note_patcher(guider.model_patcher)  # the weights of this run are this patcher's
         if self.first_step is not None:
             self.first_step.begin_run()
-        return executor(*args, **kwargs)
+        controls = shard_controlnets(getattr(guider, "conds", None) or {}, self.config)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            for module in controls:
+                module.__dict__.pop("forward", None)
+
+
+def controlnet_models(conds: dict) -> list[torch.nn.Module]:
+    """The ``control_model`` of every ControlNet in a sampling run's conditioning (chains included)."""
+    found: dict[int, torch.nn.Module] = {}
+    for entries in conds.values():
+        for cond in entries or ():
+            control = cond.get("control") if isinstance(cond, dict) else None
+            while control is not None:
+                module = getattr(control, "control_model", None)
+                if isinstance(module, torch.nn.Module):
+                    found.setdefault(id(module), module)
+                control = getattr(control, "previous_controlnet", None)
+    return list(found.values())
+
+
+def shard_controlnets(conds: dict, config: ParallelConfig) -> list[torch.nn.Module]:
+    """For one sampling run, every ControlNet whose model has a plan runs on every rank under the
+    transformer's layout (``ShardedControlForward`` as its ``forward``); the others run on rank 0
+    as before, with the reason in the log. Returns the modules to restore afterwards."""
+    installed = []
+    for module in controlnet_models(conds):
+        plan = find_controlnet_plan(module)
+        name = type(module).__name__
+        why = None
+        if plan is None:
+            why = "the pack has no plan for it"
+        elif config.auto_layout:
+            why = "layout auto picks the transformer's layout at its first step, after the ControlNet has run"
+        else:
+            why = plan_refusal(module, plan, {**config.mesh_sizes, "tp": 1})  # under TP it runs whole
+        if why is not None:
+            log.info("parallel: the ControlNet %s runs on rank 0 only (%s); its residuals are split", name, why)
+            continue
+        module.forward = ShardedControlForward(config, plan.family, module)
+        installed.append(module)
+        log.info("parallel: the ControlNet %s runs on every rank under the transformer's layout%s", name,
+                 " (whole on each rank of a TP group: no tensor-parallel plan for it)" if config.tp_size > 1 else "")
+    return installed
+
+
+class ShardedControlForward:
+    """A ControlNet's ``forward`` for one sampling run: every call runs on all ranks, each on its
+    share of the tokens (and of the batch under CFG), and returns the whole residuals on rank 0."""
+
+    def __init__(self, config: ParallelConfig, family: str, module):
+        self.config = config
+        self.family = family
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        world = RUNTIME.world_for(self.config)
+        forward = type(self.module).forward.__get__(self.module)
+        with interrupts.deferred():
+            return world.forward(self.module, plan_for_family(self.family), forward, args, kwargs)
 
 
 class ShardedForward:

@@ -203,7 +203,7 @@ class _Forward:
                 self.cache = self._decide()
             return out
         if pos in self.middle and self.cache:
-            ins = [bound.arguments[n] for n in names]
+            ins = [_argument(bound, n) for n in names]
             if pos == self.last_middle[stack_index]:
                 ins = [x + self._residual(stack_index, j).to(x.dtype) for j, x in enumerate(ins)]
             return tuple(ins) if stack.outputs else ins[0]
@@ -225,21 +225,22 @@ class _Forward:
         """Run the block and add what it added to each of its streams to ``into``: the sum of
         (output - input) over blocks, so that what the model adds between blocks is not counted."""
         for j, n in enumerate(names):
-            x = bound.arguments[n]
+            x = _argument(bound, n)
             key = (stack_index, j)
             into[key] = -x if key not in into else into[key].sub_(x)
         out = forward(*args, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
         if len(outs) != len(names):
             raise RuntimeError(f"Block Cache: a block returned {len(outs)} outputs where its plan declares "
-                               f"{len(names)} ({', '.join(names)})")
+                               f"{len(names)} ({', '.join(map(_shown, names))})")
         for j, y in enumerate(outs):
             into[(stack_index, j)].add_(y)
         return out
 
     # ------------------------------------------------------------------ the decision
     def _begin(self, args) -> None:
-        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        items = [b for a in args for b in (a if isinstance(a, (tuple, list)) else (a,))]  # LTX-2's (vx, ax)
+        shapes = tuple(tuple(a.shape) for a in items if isinstance(a, torch.Tensor))
         runs = _RUNS.setdefault(self.root, {})
         key = _batch_key(self.options, shapes)
         run = runs.get(key)
@@ -251,15 +252,18 @@ class _Forward:
 
     def _mask(self, stack_index: int, j: int, t: torch.Tensor):
         """1 for this rank's real tokens of output ``j``, 0 for the padding of its chunk (None: all real)."""
-        streams = stacks_of(self.plan)[stack_index].streams[j]
+        stack = stacks_of(self.plan)[stack_index]
+        streams = stack.streams[j]
         shards = [self.ranks.stream_shard(s) for s in ((streams,) if isinstance(streams, str) else streams)]
         if any(s is None for s in shards):
             return None
         mask = torch.cat([torch.arange(s.local) < s.valid for s in shards])
-        if mask.numel() != t.shape[1]:
+        if mask.numel() != t.shape[stack.dim]:
             raise RuntimeError(f"Block Cache: the {self.plan.title} plan says a block output holds the streams "
-                               f"{streams}: {mask.numel()} tokens here, the output has {t.shape[1]}")
-        return None if bool(mask.all()) else mask.to(t.device).view(1, -1, *([1] * (t.ndim - 2)))
+                               f"{streams}: {mask.numel()} tokens here, the output has {t.shape[stack.dim]}")
+        shape = [1] * t.ndim
+        shape[stack.dim] = -1
+        return None if bool(mask.all()) else mask.to(t.device).view(shape)
 
     def _part(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the channels under TP (the whole tensor otherwise)."""
@@ -395,6 +399,18 @@ def cached_blocks(root: torch.nn.Module, plan: ModelPlan, options: dict | None,
                 mod.__dict__.pop("forward", None)
             else:
                 mod.__dict__["forward"] = had
+
+
+def _argument(bound: inspect.BoundArguments, name):
+    """The block's input that an output updates: an argument, or ``(argument, index)``: an element of
+    a tuple argument."""
+    if isinstance(name, tuple):
+        return bound.arguments[name[0]][name[1]]
+    return bound.arguments[name]
+
+
+def _shown(name) -> str:
+    return f"{name[0]}[{name[1]}]" if isinstance(name, tuple) else name
 
 
 def _caller(forward: _Forward, mod, inner):

@@ -87,11 +87,20 @@ def _split_options(options: dict, split: BatchSplit) -> dict:
 
 
 def gather_output(out, split: BatchSplit, group):
-    """The whole batch of the output: a tensor, or a list of them (one per stream)."""
+    """The whole batch of the output: a tensor, or a list of them (one per stream), or a dict of
+    tuples of them (a ControlNet's residuals per block)."""
     if split.parts == 1:
         return out
     if isinstance(out, list) and out and all(isinstance(t, torch.Tensor) for t in out):
         return [gather_output(t, split, group) for t in out]
+    if isinstance(out, dict):
+        return {key: gather_output(value, split, group) for key, value in out.items()}
+    if type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out):
+        gathered: dict[int, torch.Tensor] = {}  # the ControlNet repeats one block's residual: gathered once
+        for t in out:
+            if id(t) not in gathered:
+                gathered[id(t)] = gather_output(t, split, group)
+        return tuple(gathered[id(t)] for t in out)
     if not isinstance(out, torch.Tensor):
         raise RuntimeError(f"cfg parallel: the model returned a {type(out).__name__}, not a tensor")
     full = out.new_empty((split.size, *out.shape[1:]))

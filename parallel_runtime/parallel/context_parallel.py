@@ -233,15 +233,16 @@ def routed_attention(original):
     (``ContextParallelPlan.attention_globals``): inside a context-parallel forward, a call from one
     of the plan's attention sites is distributed as the override distributes the other families'
     calls. The forward's own override (SageAttention's, say) is not chained: the model never sees
-    it unsharded either. A call that does bring transformer_options goes to the original, whose
-    override is then ours."""
+    it unsharded either. A call whose transformer_options hold an attention override goes to the
+    original, which calls it (ours, inside a sharded forward); one with none or an empty dict (the
+    Flux ControlNet's blocks take the default ``{}``) is routed here."""
     known = _ROUTED.get(id(original))
     if known is not None and known[0] is original:
         return known[1]
 
     @torch._dynamo.disable
     def attention(*args, **kwargs):
-        if not _RUNNING or kwargs.get("transformer_options") is not None:
+        if not _RUNNING or OVERRIDE_KEY in (kwargs.get("transformer_options") or {}):
             return original(*args, **kwargs)
         return _RUNNING[-1][0].attend(None, original, args, kwargs)
 

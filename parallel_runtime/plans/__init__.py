@@ -17,7 +17,10 @@ PLANS: tuple[ModelPlan, ...] = (
 )
 ENCODER_PLANS: tuple[ModelPlan, ...] = text_encoders.PLANS
 VAE_PLANS: tuple[ModelPlan, ...] = vae.PLANS
-_BY_FAMILY = {plan.family: plan for plan in (*PLANS, *ENCODER_PLANS, *VAE_PLANS, patches.MODEL_PLAN)}
+# ControlNets that run under the transformer's layout (ComfyUI computes them before each forward).
+CONTROLNET_PLANS: tuple[ModelPlan, ...] = (flux.CONTROLNET,)
+_BY_FAMILY = {plan.family: plan for plan in (*PLANS, *ENCODER_PLANS, *VAE_PLANS, *CONTROLNET_PLANS,
+                                             patches.MODEL_PLAN)}
 
 
 def qualified_name(cls: type) -> str:
@@ -61,6 +64,12 @@ def find_encoder_plan(module: torch.nn.Module) -> ModelPlan | None:
     return None
 
 
+def find_controlnet_plan(module: torch.nn.Module) -> ModelPlan | None:
+    """The plan for a ControlNet's ``control_model`` of exactly this class, or None (it then runs on rank 0)."""
+    name = qualified_name(type(module))
+    return next((plan for plan in CONTROLNET_PLANS if name in plan.classes), None)
+
+
 def find_vae_plan(module: torch.nn.Module) -> ModelPlan | None:
     """The band plan for a VAE (``first_stage_model``), or None; ``vae.check_vae`` says why not."""
     return vae.find_vae_plan(module)
@@ -76,5 +85,5 @@ def supported_models_text() -> str:
                      for plan in (*PLANS, *user.plans()))
 
 
-__all__ = ["PLANS", "ENCODER_PLANS", "VAE_PLANS", "find_encoder_plan", "find_vae_plan", "supported_encoders_text", "ModelPlan", "check_plan_matches", "find_plan", "plan_for_family", "plan_from_wire", "plan_wire", "refresh_user_plans",
+__all__ = ["PLANS", "CONTROLNET_PLANS", "ENCODER_PLANS", "VAE_PLANS", "find_controlnet_plan", "find_encoder_plan", "find_vae_plan", "supported_encoders_text", "ModelPlan", "check_plan_matches", "find_plan", "plan_for_family", "plan_from_wire", "plan_wire", "refresh_user_plans",
            "supported_models_text"]

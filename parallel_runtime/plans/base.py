@@ -121,14 +121,18 @@ class CachedBlocks:
     """A stack of the model's repeated blocks (``double_blocks.*``) that Block Cache may skip
     (``parallel/block_cache.py``). The plan lists its stacks in the order the model runs them.
     ``outputs``: for a block returning a tuple, the argument each element updates (Flux's double
-    blocks return ``(img, txt)``, Qwen-Image's ``(encoder_hidden_states, hidden_states)``); empty:
-    the block returns the update of its first argument. ``streams``: the token stream each output
-    holds (a tuple of streams for a joint one, ``(txt, img)`` back to back), so that padding a
-    context-parallel chunk carries is left out of the change measure."""
+    blocks return ``(img, txt)``, Qwen-Image's ``(encoder_hidden_states, hidden_states)``), or an
+    ``(argument, index)`` pair where the block takes its streams as one tuple and returns them
+    alike (LTX-2's ``x = (vx, ax)``: ``(("x", 0), ("x", 1))``); empty: the block returns the
+    update of its first argument. ``streams``: the token stream each output holds (a tuple of
+    streams for a joint one, ``(txt, img)`` back to back), so that padding a context-parallel
+    chunk carries is left out of the change measure. ``dim``: the outputs' token dimension
+    (MiniMax-H3's packed ``[S, hidden]`` stream has no batch dimension: 0)."""
 
     pattern: str
-    outputs: tuple[str, ...] = ()
+    outputs: tuple["str | tuple[str, int]", ...] = ()
     streams: tuple["str | tuple[str, ...]", ...] = (MAIN_STREAM,)
+    dim: int = 1
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ space, with a NeRF head per patch after them.
   output of ``single_blocks.-1``: the image segment is all-gathered and the text segment kept as
   this rank's chunk, so the model's own slice leaves exactly the full image. The NeRF head then
   runs whole on every rank (a few percent of the compute; nothing after it is cut).
+- Block Cache: Chroma's stacks (``FLUX_CACHED_BLOCKS``); the NeRF head runs at every step.
 - Refused: ``attention_mask`` (as for Chroma) and ControlNet ``control``: the model adds the
   last single block's residual after that block, where the image is already full length.
 
@@ -25,7 +26,8 @@ The patch convolution, the DCT embedder and the final layer stay whole.
 from __future__ import annotations
 
 from .base import ContextParallelPlan, Gather, ModelPlan, Split
-from .flux import CHROMA_APPROXIMATOR, FLUX_BLOCK_ARGS, JOINT, MASK_WHY, ROPE, flux_blocks_tensor_parallel
+from .flux import (CHROMA_APPROXIMATOR, FLUX_BLOCK_ARGS, FLUX_CACHED_BLOCKS, JOINT, MASK_WHY, ROPE,
+                   flux_blocks_tensor_parallel)
 from .tensor_parallel import Colwise
 
 CONTROL_WHY = ("the image is gathered at the last single block for the NeRF head, before the model adds that "
@@ -54,4 +56,5 @@ PLAN = ModelPlan(
         extra={**CHROMA_APPROXIMATOR, "txt_in": Colwise(gather=True),
                "nerf_blocks.*.param_generator": Colwise(gather=True)},
         divisible={"NeRF head width": "nerf_blocks.0.param_generator.out_features"}),
+    cached_blocks=FLUX_CACHED_BLOCKS,
 )

@@ -14,6 +14,7 @@
 - The text is dropped after the blocks; ``norm_final``, ``norm_out`` and
   ``proj_out`` are per video token, and ``proj_out``'s output is gathered before
   unpatchify.
+- Block Cache: every block returns ``(hidden_states, encoder_hidden_states)``, both streams updated.
 
 Tensor parallelism cuts the heads (q/k/v columns, ``attn_out`` rows; the q/k LayerNorms
 are per head and need nothing) and the feed-forward (columns, then rows) of every block;
@@ -23,7 +24,7 @@ column-parallel, gathered; the video patch projection (a convolution in 1.0) sta
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("txt", "img")
@@ -73,4 +74,6 @@ PLAN = ModelPlan(
     notes="T2V and I2V, 1.0 (RoPE or learned position embeddings) and 1.5 (temporal patches, ofs).",
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
+    cached_blocks=(CachedBlocks("blocks.*", outputs=("hidden_states", "encoder_hidden_states"),
+                                streams=("img", "txt")),),
 )

@@ -14,6 +14,10 @@ forward so that the calls inside ``layers.*`` are distributed all the same. The 
 ``forward`` runs no DIFFUSION_MODEL wrappers (it has no ``_forward``); Shard Transformer then
 replaces the forward itself (``comfyui_glue/wrappers.py``).
 
+No ``cached_blocks`` (Block Cache refuses the family): sharded, a layer Block Cache skipped makes no
+attention call, which the guard of ``attention_globals`` refuses as a layer that bypassed the
+distributed attention.
+
 Tensor parallelism cuts the heads of every layer (q, k, v column-parallel, the output projection
 row-parallel; the q/k RMSNorms are per head and need nothing), the GELU-gated feed-forward
 (gate and up columns, ``linear_fc2`` rows), the timestep embedding, and the shared and final

@@ -12,10 +12,16 @@
   image chunk and its output is gathered.
 - ControlNet residuals cover the main image tokens (a prefix of the ``img``
   stream); each rank adds the part inside its chunk.
+- The Flux ControlNet (``ControlNetFlux``, XLabs / InstantX / Union / Mistoline) is a Flux model
+  of its own, run under the transformer's layout (``CONTROLNET``): the same streams, its control
+  image added to the image tokens before they are cut, its per-block residual projections gathered
+  (the transformer cuts them again). Its blocks call attention without ``transformer_options``, so
+  the plan routes ``comfy.ldm.flux.math.optimized_attention``. No tensor-parallel plan: under TP
+  each rank runs its tokens through the whole ControlNet (small next to the transformer).
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
+from .base import AttentionGlobal, CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("txt", "img")
@@ -132,4 +138,20 @@ CHROMA = ModelPlan(
     tensor_parallel=flux_blocks_tensor_parallel(modulation=False, final_modulation=False, embedders=(),
                                                 extra=CHROMA_APPROXIMATOR),
     cached_blocks=FLUX_CACHED_BLOCKS,
+)
+
+CONTROLNET = ModelPlan(
+    family="flux_controlnet",
+    title="Flux ControlNet",
+    classes=("comfy.ldm.flux.controlnet.ControlNetFlux",),
+    heads_attr="params.num_heads",
+    context_parallel=ContextParallelPlan(
+        inputs=_flux_style_plan({}).inputs,
+        outputs={"controlnet_blocks.*": Gather(dim=1, stream="img"),
+                 "controlnet_single_blocks.*": Gather(dim=1, stream="img")},
+        attention={"double_blocks.*": JOINT, "single_blocks.*": JOINT},
+        passed=FLUX_BLOCK_ARGS,
+        attention_globals=(AttentionGlobal("comfy.ldm.flux.math"),),
+    ),
+    notes="Run under the transformer's layout; whole on every rank of a TP group.",
 )

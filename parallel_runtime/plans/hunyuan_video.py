@@ -21,12 +21,14 @@ HunyuanVideo I2V, HunyuanVideo 1.5 (T2V, I2V, SR distilled) and HunyuanImage 2.1
   guidance are per sample. Under TP ``byt5_in``, ``vision_in`` and ``time_r_in`` are cut too.
 - Not yet: ControlNet residuals (added with the global image length inside the
   single-block loop) and the I2V "guiding frame" modulation (absolute token ranges).
+- Block Cache: Flux's block classes, so Flux's stacks: the double blocks return ``(img, txt)``,
+  the single blocks the joint stream in the release's order.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .flux import FLUX_BLOCK_ARGS, flux_blocks_tensor_parallel
 from .tensor_parallel import Colwise, Rowwise
 
@@ -81,6 +83,8 @@ def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
                                                     extra={**TOKEN_REFINER, **SIDE_INPUTS},
                                                     extra_divide={REFINER_BLOCKS: ("heads",)},
                                                     extra_optional=frozenset(TOKEN_REFINER) | frozenset(SIDE_INPUTS)),
+        cached_blocks=(CachedBlocks("double_blocks.*", outputs=("img", "txt"), streams=("img", "txt")),
+                       CachedBlocks("single_blocks.*", streams=(joint,))),
     )
 
 

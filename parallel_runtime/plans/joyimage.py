@@ -13,6 +13,7 @@
   model keeps the first ``t * h * w`` image tokens, an absolute count a chunk cannot
   follow: the image is gathered from the last block's ``(img, txt)`` output, and
   ``norm_out`` / ``proj_out`` (per token, small) run whole on every rank.
+- Block Cache: every block returns ``(hidden_states, encoder_hidden_states)``, both streams updated.
 
 Tensor parallelism cuts the heads of every block (the fused img/txt qkv by segment,
 the output projections by rows; the q/k RMSNorms are per head and need nothing) and
@@ -22,7 +23,7 @@ column-parallel, gathered. The patch convolution and ``proj_out`` stay whole.
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 JOINT = ("img", "txt")
@@ -67,4 +68,6 @@ PLAN = ModelPlan(
     notes="Text-to-image and edit (reference latents).",
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
+    cached_blocks=(CachedBlocks(f"{BLOCKS}.*", outputs=("hidden_states", "encoder_hidden_states"),
+                                streams=("img", "txt")),),
 )

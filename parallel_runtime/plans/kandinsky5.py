@@ -16,6 +16,8 @@
   at the last block and ``out_layer`` runs whole on every rank.
 - The image-to-video ``time_dim_replace`` overwrites latent frames before
   patching, on every rank alike; the model ignores ``attention_mask``.
+- Block Cache caches the visual blocks (each returns ``visual_embed``); the text blocks run
+  at every step.
 
 Tensor parallelism cuts the heads of every block (text blocks included): q/k/v
 columns, ``out_layer`` rows (the q/k RMSNorms are per head and need nothing); the
@@ -26,7 +28,7 @@ the text, pooled-text and visual input projections are column-parallel, gathered
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 BLOCKS = "visual_transformer_blocks"
@@ -76,4 +78,5 @@ PLAN = ModelPlan(
     notes="Video (T2V, I2V via time_dim_replace) and image models; the text encoder blocks run whole per rank.",
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
+    cached_blocks=(CachedBlocks(f"{BLOCKS}.*"),),
 )

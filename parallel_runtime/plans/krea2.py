@@ -14,6 +14,7 @@
 - ``last`` is per token (its modulation one row per sample); its output,
   ``patch**2 * channels`` wide, is gathered, and the model slices the image out of
   the full sequence with the full text length.
+- Block Cache caches ``blocks`` (each returns the joint stream); the text fusion runs at every step.
 - Not ``timestep_zero_index`` (reference method ``index_timestep_zero``: an absolute
   token position where the modulation switches): no chunk can follow it, so the
   blocks refuse it when it comes with a value.
@@ -26,7 +27,7 @@ shared 6-way modulation projection ``tproj`` is column-parallel, gathered.
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, ColwiseKV, Rowwise, TensorParallelPlan
 
 STACKS = ("blocks.*", "txtfusion.layerwise_blocks.*", "txtfusion.refiner_blocks.*")
@@ -70,4 +71,5 @@ PLAN = ModelPlan(
            "runs whole on every rank under context parallelism and is cut under TP."),
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
+    cached_blocks=(CachedBlocks("blocks.*"),),
 )

@@ -22,6 +22,8 @@ audio token stream beside the video one, and attention between the two.
   ``generated_keyframes``) are guide latent frames appended to the video: the model places their
   tokens, drops masked ones and marks keyframe tokens before ``transformer_blocks.0``, where the
   split cuts them with the rest of the video, and drops them again after the video's gather.
+- Block Cache: a block takes ``x = (vx, ax)`` and returns both streams updated, element by element
+  (``CachedBlocks.outputs`` names the tuple's items).
 - Refused by name before any rank works: guide entries below full strength or with their own
   attention mask (the model biases attention between absolute token ranges of the video with a
   ``self_attention_mask``), and the ID-LoRA reference audio (tokens prepended to the audio and cut
@@ -34,7 +36,7 @@ projections of both streams and of the audio-video attention as in LTXV.
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .ltxv import adaln_tp, attention_tp
 from .tensor_parallel import Colwise, Rowwise, SliceInput, TensorParallelPlan
 
@@ -123,4 +125,5 @@ PLAN = ModelPlan(
           "not guide attention below full strength or reference audio (refused by name).",
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
+    cached_blocks=(CachedBlocks("transformer_blocks.*", outputs=(("x", 0), ("x", 1)), streams=(VIDEO, AUDIO)),),
 )

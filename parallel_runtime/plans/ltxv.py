@@ -9,6 +9,7 @@ plus cross-attention to the text in every block.
 - ``attn1`` (self) is context-parallel; ``attn2`` (cross) stays local.
 - After the blocks the model modulates with a per-token embedding that is not
   passed through a module, so the stream is gathered at the last block.
+- Block Cache: each block returns the update of ``x`` (in place; nothing runs between blocks).
 
 Tensor parallelism cuts the heads of both attentions (q/k/v columns, ``to_out`` rows; the
 q/k RMSNorms span all heads and all-reduce their mean square; the optional per-head gate
@@ -19,7 +20,7 @@ column/row pair and the 6-way modulation projection column-parallel, gathered.
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Norm, Rowwise, SliceInput, TensorParallelPlan
 
 
@@ -65,4 +66,5 @@ PLAN = ModelPlan(
     ),
     notes="Keyframe conditioning and per-token timesteps.",
     tensor_parallel=TENSOR_PARALLEL,
+    cached_blocks=(CachedBlocks("transformer_blocks.*"),),
 )

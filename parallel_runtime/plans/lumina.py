@@ -8,6 +8,10 @@ cut where it enters ``layers.0`` together with its RoPE table ``freqs_cis``
 redundant work, no communication). ``final_layer`` is per token and gathered
 before unpatchify, which slices the image back out.
 
+Block Cache caches the main ``layers`` (each returns the joint stream); the refiners run at
+every step. The ``double_block`` patches (Z-Image Fun ControlNets) run after every layer, cached
+or not, like ControlNet residuals between blocks.
+
 Tensor parallelism cuts the heads of every block (refiners included): the fused qkv
 projection by segment (q heads, then K and V heads of grouped-query attention; each rank
 keeps the KV heads its query heads use, so the KV heads must divide by tp_size too), the
@@ -16,7 +20,7 @@ with its output gathered. The q/k norms are per head and need nothing.
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, PatchSite, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, PatchSite, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 
@@ -74,4 +78,5 @@ PLAN = ModelPlan(
     notes=("Refiners run whole on every rank under context parallelism and are cut under TP; grouped-query "
            "KV heads must divide by tp_size. Not Z-Image Omni (0.33's timestep_zero_index: refused)."),
     tensor_parallel=TENSOR_PARALLEL,
+    cached_blocks=(CachedBlocks("layers.*"),),
 )

@@ -23,6 +23,8 @@ one packed single-stream sequence.
   rank. Keyframes, references, presentation tags and denoise masks only change the packed
   layout, the table and the per-token rows, all cut above: nothing is refused (denoise masks are
   tested; keyframe and reference rows, which need the 32B text encoder's nodes, are not yet).
+- Block Cache caches ``blocks`` (each returns the packed stream, tokens on dim 0); the token
+  refiner is not among them.
 - The layout (``minimax_payload["layout"]``, a ``PackedLayout`` built by ``extra_conds``) reaches
   the workers as one of ComfyUI's data objects (``world/protocol.py``).
 
@@ -34,7 +36,7 @@ column-parallel, gathered, and the time embedder as a column/row pair.
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
+from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
 
 STACKS = ("blocks.*", "token_refiner.blocks.*")
@@ -76,4 +78,5 @@ PLAN = ModelPlan(
           "same cuts (not yet tested).",
     tensor_parallel=TENSOR_PARALLEL,
     tested_on=("0.33.0",),
+    cached_blocks=(CachedBlocks("blocks.*", dim=0),),
 )

@@ -1,0 +1,75 @@
+"""ComfyUI's ControlNets computed under the transformer's layout, through a real server.
+
+ComfyUI runs a ControlNet before each forward of the transformer and hands its residuals to it.
+With a plan for the ControlNet's model (the Flux ControlNet: plans/flux.py ``CONTROLNET``), Shard
+Transformer runs it on every rank too, each on its share of the tokens (whole on each rank of a TP
+group); without one it runs on rank 0 alone as before. The tiny Flux ControlNet is a file in XLabs'
+layout that the stock ControlNetLoader detects as a Flux model. Each sharded run must equal the
+unsharded one, the ControlNet must change the result, and the workers must hold the ControlNet.
+"""
+from __future__ import annotations
+
+import pytest
+
+from test_comfy_e2e import status
+from test_comfy_families import final_latents, max_error
+from tiny_families import FAMILIES, FLUX_CONTROLNET_FILE, family_prompt
+
+pytestmark = pytest.mark.comfy_server
+TOL = 1e-4
+LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "ring2": {"ring_size": 2}, "cfg2": {"cfg_size": 2},
+           "tp2": {"tp_size": 2},
+           "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2, "devices": "cpu,cpu,cpu,cpu"}}
+
+
+def QUICK_TIER(test: str, params: dict) -> bool:
+    """The default run (conftest.in_quick_tier): Ulysses 2 and Ulysses 2 x TP 2 (the ControlNet whole on
+    each rank of a TP group); ``--full``: every layout."""
+    return params.get("layout", "ulysses2") in ("ulysses2", "ulysses2_tp2")
+
+
+def controlled_prompt(parallel: dict | None, strength: float = 0.8) -> dict:
+    """The tiny Flux graph with the stock ControlNetLoader and ControlNetApplyAdvanced on both conditionings."""
+    prompt = family_prompt("flux", parallel)
+    latent = FAMILIES["flux"].latent["inputs"]
+    prompt["70"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": FLUX_CONTROLNET_FILE}}
+    prompt["71"] = {"class_type": "TinyPatternImage",
+                    "inputs": {"width": latent["width"], "height": latent["height"], "frames": 1, "seed": 4}}
+    prompt["72"] = {"class_type": "ControlNetApplyAdvanced", "inputs": {
+        "positive": ["4", 1], "negative": ["5", 0], "control_net": ["70", 0], "image": ["71", 0],
+        "strength": strength, "start_percent": 0.0, "end_percent": 1.0}}
+    prompt["7"]["inputs"].update(positive=["72", 0], negative=["72", 1])
+    return prompt
+
+
+_references: dict = {}
+
+
+def reference(server):
+    if not _references:
+        _references["with"] = final_latents(server, controlled_prompt(None))
+        _references["without"] = final_latents(server, family_prompt("flux", None))
+    return _references["with"], _references["without"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_flux_controlnet_sharded_equals_unsharded(tiny_server, layout):
+    ref, plain = reference(tiny_server)
+    assert max_error(ref, plain) > 1e-3  # the ControlNet changes the result
+    out = final_latents(tiny_server, controlled_prompt(LAYOUTS[layout]))
+    err = max_error(out, ref)
+    print(f"\nFlux with the stock ControlNet under {layout}: max abs err {err:.2e}")
+    assert err <= TOL
+
+
+def test_the_workers_hold_and_run_the_controlnet(tiny_server):
+    """Under Ulysses 2 rank 1 holds the ControlNet next to the transformer (it ran its share); the
+    transformer alone does not account for what it holds."""
+    final_latents(tiny_server, family_prompt("flux", {"ulysses_size": 2}))
+    alone = status(tiny_server)["ranks"][1]["param_bytes"]
+    final_latents(tiny_server, controlled_prompt({"ulysses_size": 2}))
+    held = status(tiny_server)["ranks"][1]["param_bytes"]
+    controlnet_bytes = (tiny_server.base_dir / "models" / "controlnet" / FLUX_CONTROLNET_FILE).stat().st_size
+    print(f"\nrank 1 holds {alone / 1e6:.1f} MB without the ControlNet, {held / 1e6:.1f} MB with it "
+          f"(its file: {controlnet_bytes / 1e6:.1f} MB)")
+    assert held - alone >= 0.9 * controlnet_bytes
