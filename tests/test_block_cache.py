@@ -100,6 +100,17 @@ DIFFERS = 1e-5
 MORE_CASES = [("ulysses2", f) for f in MORE_CACHE] + [("tp2", "z_image")]
 
 
+def QUICK_TIER(test: str, params: dict) -> bool:
+    """The default run (conftest.in_quick_tier): Flux under every layout, Wan and Qwen-Image under
+    Ulysses 2, and of the other families the two-stream LTX-2, Z-Image (also TP 2) and HunyuanVideo;
+    ``--full``: every family under every layout it has here."""
+    if test == "test_sharded_block_cache_equals_unsharded":
+        return params["family"] == "flux" or params["layout"] == "ulysses2"
+    if test == "test_more_families_sharded_block_cache_equals_unsharded":
+        return params["family"] in ("ltxav", "z_image", "hunyuan_video")
+    return True
+
+
 @pytest.mark.parametrize("layout,family", MORE_CASES, ids=[f"{layout}-{f}" for layout, f in MORE_CASES])
 def test_more_families_sharded_block_cache_equals_unsharded(tiny_server, layout, family):
     """Each family's block stacks as its plan declares them (tuple outputs, a tuple argument's items,
