@@ -3,7 +3,8 @@
 ``parallel_runtime`` is built in wings, each on a layer; a module may import its own wing and the
 layers below it, never above, and the two wings of layer 3 do not import each other:
 
-    0  config, comfyui_location   the configuration, which ComfyUI this checkout runs with
+    0  config, comfyui_location,  the configuration, which ComfyUI this checkout runs with, importing
+       comfyui_modules           the modules ComfyUI imported under their paths
     1  distributed                collectives, the rank mesh
     2  plans                      declarations: per-family plans, TP specs, where their names land
     3  weights | parallel         a rank's weights (cuts, pickling, streams) | applying plans to a forward
@@ -27,7 +28,7 @@ RUNTIME = Path(__file__).resolve().parent.parent / "parallel_runtime"
 PACKAGE = "parallel_runtime"
 
 LAYERS = {
-    "config": 0, "comfyui_location": 0,
+    "config": 0, "comfyui_location": 0, "comfyui_modules": 0,
     "distributed": 1,
     "plans": 2,
     "weights": 3, "parallel": 3,

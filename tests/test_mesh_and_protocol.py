@@ -84,5 +84,5 @@ def test_patches_from_other_nodes_are_refused_and_orchestration_is_dropped():
     # "patches" travels: parallel/model_patches.py has made its declared patches data (tests/test_model_patches.py).
     options = {"wrappers": {"x": 1}, "callbacks": {}, "sigmas": torch.ones(1), "patches": {}}
     assert set(protocol.worker_transformer_options(options)) == {"sigmas", "patches"}
-    with pytest.raises(protocol.UnsupportedInput, match="patches_replace"):
-        protocol.worker_transformer_options({"patches_replace": {"dit": {("double_block", 0): print}}})
+    with pytest.raises(protocol.UnsupportedInput, match="optimized_attention_override"):
+        protocol.worker_transformer_options({"optimized_attention_override": print})

@@ -26,6 +26,8 @@ LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "ring2": {"ring_size": 2}, "cfg2": {
 def QUICK_TIER(test: str, params: dict) -> bool:
     """The default run (conftest.in_quick_tier): each patch under Ulysses 2 (one per-token patch and two
     whole-sequence ones), and Ring 2, TP 2, CFG 2 and Ulysses 2 x TP 2 on one of each kind; ``--full``: all."""
+    if test == "test_a_declared_block_replacement_equals_unsharded":
+        return params["layout"] in ("ulysses2", "ulysses2_tp2")
     if test != "test_patched_model_equals_unsharded":
         return True
     return params["layout"] == "ulysses2" or params["family"] == ("qwen_image" if params["layout"] in ("tp2", "cfg2")
@@ -157,3 +159,51 @@ def test_shard_transformer_refuses_a_model_carrying_an_undeclared_patch():
     assert message.startswith("Shard Transformer: Wan 2.1 / 2.2: a node set a model patch of class ")
     assert "StyleInjector on transformer_options['patches']['double_block']" in message
     assert no_world_started()
+
+
+# A user plan file's declaration for the test extension's Flux double-block replacement (docs/model_patches.md).
+REPLACE_PLAN = """PATCH_PLANS = (
+    PatchPlan(classes=("*tiny_model_patches.TinyDoubleBlockBoost",), title="Tiny double-block boost",
+              tokens="local", replaces=("double_block",), models=()),
+)
+"""
+
+
+def replaced_prompt(parallel: dict | None, strength: float = 0.5) -> dict:
+    """The tiny Flux graph with TinyBlockReplace (patches_replace on double block 0) before Shard Transformer."""
+    prompt = family_prompt("flux", parallel)
+    prompt["80"] = {"class_type": "TinyBlockReplace", "inputs": {"model": ["1", 0], "strength": strength, "seed": 2}}
+    prompt["3" if "3" in prompt else "7"]["inputs"]["model"] = ["80", 0]
+    return prompt
+
+
+@pytest.fixture
+def replace_plan_file(tiny_server):
+    path = tiny_server.base_dir / "user" / "parallel_plans" / "tiny_block_replace.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(REPLACE_PLAN)
+    yield path
+    path.unlink()
+
+
+@pytest.mark.comfy_server
+def test_an_undeclared_block_replacement_is_refused_by_name(tiny_server):
+    with pytest.raises(PromptFailed) as info:
+        final_latents(tiny_server, replaced_prompt({"ulysses_size": 2}))
+    message = str(info.value)
+    assert "TinyDoubleBlockBoost on transformer_options['patches_replace']['dit']" in message
+    assert "declare it in a plan file" in message
+
+
+@pytest.mark.comfy_server
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_declared_block_replacement_equals_unsharded(tiny_server, replace_plan_file, layout):
+    key = ("flux_replace", 0.5)
+    if key not in _references:
+        _references[key] = final_latents(tiny_server, replaced_prompt(None))
+    ref = _references[key]
+    assert max_error(ref, final_latents(tiny_server, family_prompt("flux", None))) > 1e-3  # the replacement matters
+    out = final_latents(tiny_server, replaced_prompt(LAYOUTS[layout]))
+    err = max_error(out, ref)
+    print(f"\nFlux with a declared double-block replacement under {layout}: max abs err {err:.2e}")
+    assert err <= TOL

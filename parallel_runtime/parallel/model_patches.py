@@ -13,18 +13,20 @@ tokens and runs the patch as it is.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 
 import torch
 
 from .sequence import gather_chunks, take_chunk
+from ..comfyui_modules import import_module
+from ..plans import user
 from ..plans.base import ModelPlan, PatchSite
-from ..plans.patches import PatchPlan, PatchRefused, class_name, declared_text, find_patch_plan, patch_plan_named
+from ..plans.patches import PatchPlan, PatchRefused, class_name, declared_text, patch_plan_named
 
 log = logging.getLogger("parallel")
 
 PATCHES = "patches"
+REPLACES = "patches_replace"
 MARK = "__model_patch__"  # a dict with this key is an encoded patch (plain data, every rank reads it)
 
 
@@ -66,63 +68,81 @@ def _describe(obj) -> str:
     return _qualified(obj)
 
 
-def _refuse_undeclared(plan: ModelPlan, hook: str, patch) -> None:
-    raise PatchRefused(
-        f"{plan.title}: a node set a model patch of class {_describe(patch)} on transformer_options['patches']"
-        f"['{hook}']; the pack does not know how to run that class on every rank, and it would change rank 0's "
-        f"part only. Remove that node (or run without Shard Transformer). Model patches the pack runs sharded: "
-        f"{declared_text()}")
+def declaration(name: str) -> PatchPlan | None:
+    """The declaration for the patch class of qualified name ``name``: the pack's, or a user plan
+    file's (``PATCH_PLANS``, plans/user.py)."""
+    return patch_plan_named(name) or user.patch_plan(name)
+
+
+def _where(kind: str, hook: str) -> str:
+    return f"transformer_options['{kind}']['{hook}']"
+
+
+def _slots(options: dict | None):
+    """(kind, hook, key, patch) for every patch of ``options``: ``patches[hook][key]`` (a list) and
+    ``patches_replace[hook][key]`` (a dict keyed by ``(block kind, index)``)."""
+    for kind in (PATCHES, REPLACES):
+        for hook, entries in ((options or {}).get(kind) or {}).items():
+            for key, patch in (entries.items() if isinstance(entries, dict) else enumerate(entries)):
+                yield kind, hook, key, patch
+
+
+def _check(plan: ModelPlan, spec: PatchPlan | None, kind: str, hook: str, key, patch) -> PatchPlan:
+    if spec is None:
+        raise PatchRefused(
+            f"{plan.title}: a node set a model patch of class {_describe(patch)} on {_where(kind, hook)}; the pack "
+            "does not know how to run that class on every rank, and it would change rank 0's part only. Remove that "
+            f"node (or run without Shard Transformer), or declare it in a plan file (docs/model_patches.md). Model "
+            f"patches the pack runs sharded: {declared_text()}")
+    if kind == PATCHES and (hook not in spec.hooks or hook not in plan.context_parallel.patch_sites):
+        raise PatchRefused(f"{spec.title} is set on {_where(kind, hook)} of {plan.title}, where the pack does not "
+                           "know how the model hands it its tokens; run without Shard Transformer")
+    if kind == REPLACES and (hook != "dit" or not isinstance(key, tuple) or key[0] not in spec.replaces):
+        raise PatchRefused(f"{spec.title} replaces {key!r} in {_where(kind, hook)} of {plan.title}; its declaration "
+                           f"replaces {', '.join(spec.replaces) or 'no blocks'} of 'dit'")
+    return spec
 
 
 def refuse_unknown(options: dict | None, plan: ModelPlan) -> None:
-    """Refuse, naming its class, a model patch in ``options["patches"]`` that the pack cannot run on
-    every rank: the one check Shard Transformer makes on the model it is given and every forward makes."""
-    for hook, entries in ((options or {}).get(PATCHES) or {}).items():
-        for patch in entries:
-            spec = find_patch_plan(patch)
-            if spec is None:
-                _refuse_undeclared(plan, hook, patch)
-            _check_hook(plan, spec, hook)
+    """Refuse, naming its class, a model patch in ``options["patches"]`` or ``["patches_replace"]``
+    that the pack cannot run on every rank: the one check Shard Transformer makes on the model it is
+    given and every forward makes."""
+    for kind, hook, key, patch in _slots(options):
+        _check(plan, declaration(class_name(patch)), kind, hook, key, patch)
 
 
 def encode(options: dict | None, plan: ModelPlan, x) -> tuple[dict | None, list[torch.nn.Module]]:
-    """Rank 0, before a forward: ``options`` with each patch in ``options["patches"]`` replaced by its
-    plain-data form (a new dict; ComfyUI's stays as it is), and the patch models the call needs.
-    ``x``: the model's input latent (a patch's ``prepare`` reads its size). Refuses, naming the class,
-    a patch with no declaration, or one on a hook the model plan does not describe."""
-    hooks = (options or {}).get(PATCHES) or {}
-    if not any(hooks.values()):
+    """Rank 0, before a forward: ``options`` with each patch replaced by its plain-data form (a new
+    dict; ComfyUI's stays as it is), and the patch models the call needs. ``x``: the model's input
+    latent (a patch's ``prepare`` reads its size). Refuses, naming the class, a patch with no
+    declaration, or one where its declaration or the model plan does not say how it runs."""
+    slots = list(_slots(options))
+    if not slots:
         return options, []
     refuse_unknown(options, plan)
     models: list[torch.nn.Module] = []
     objects: dict[int, int] = {}  # id(patch) -> its number: one object set on several hooks stays one
-    encoded = {}
-    for hook, entries in hooks.items():
-        encoded[hook] = []
-        for patch in entries:
-            number = objects.get(id(patch))
-            if number is None:
-                number = objects[id(patch)] = len(objects)
-                encoded[hook].append({**_encode_one(plan, hook, patch, x, models), "object": number})
-            else:  # the same object again (Z-Image's patch: on the noise refiner and the main layers)
-                encoded[hook].append({MARK: class_name(patch), "object": number})
-    return {**options, PATCHES: encoded}, models
+    encoded = {kind: {hook: ({} if isinstance(entries, dict) else [None] * len(entries))
+                      for hook, entries in (options.get(kind) or {}).items()} for kind in (PATCHES, REPLACES)}
+    for kind, hook, key, patch in slots:
+        number = objects.get(id(patch))
+        if number is None:
+            number = objects[id(patch)] = len(objects)
+            data = {**_encode_one(patch, x, models), "object": number}
+        else:  # the same object again (Z-Image's patch: on the noise refiner and the main layers)
+            data = {MARK: class_name(patch), "object": number}
+        encoded[kind][hook][key] = data
+    return {**options, **{kind: value for kind, value in encoded.items() if kind in options}}, models
 
 
-def _check_hook(plan: ModelPlan, spec: PatchPlan, hook: str) -> None:
-    if hook not in spec.hooks or hook not in plan.context_parallel.patch_sites:
-        raise PatchRefused(f"{spec.title} is set on transformer_options['patches']['{hook}'] of {plan.title}, where "
-                           f"the pack does not know how the model hands it its tokens; run without Shard Transformer")
-
-
-def _encode_one(plan: ModelPlan, hook: str, patch, x, models: list) -> dict:
-    spec = find_patch_plan(patch)
+def _encode_one(patch, x, models: list) -> dict:
+    spec = declaration(class_name(patch))
     if spec.prepare is not None and x is not None:
         spec.prepare(patch, x)
     state = dict(vars(patch))
     held = {}
     for attr in spec.models:
-        module = getattr(state.pop(attr), "model", None)
+        module = getattr(state.pop(attr, None), "model", None)
         if not isinstance(module, torch.nn.Module):
             raise PatchRefused(f"{spec.title}: its '{attr}' holds no model")
         if not any(module is m for m in models):
@@ -132,13 +152,18 @@ def _encode_one(plan: ModelPlan, hook: str, patch, x, models: list) -> dict:
     for attr, queries in spec.left.items():
         value = state.pop(attr, None)
         left[attr] = {q: getattr(value, q)() for q in queries} if value is not None else {}
-    # Every rank imports the class by the name the declaration gives it (rank 0's may be a file path).
-    return {MARK: class_name(patch), "state": state, "models": held, "left": left}
+    cls = type(patch)
+    # The class by the name its declaration matches (every rank looks the declaration up) and by the
+    # module name this process imported it under (a path, for ComfyUI's extras and custom packs).
+    return {MARK: class_name(patch), "class": (cls.__module__, cls.__qualname__), "plan": spec.source,
+            "state": state, "models": held, "left": left}
 
 
 def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module]):
-    module_name, _, name = data[MARK].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), name)
+    module_name, qualname = data["class"]
+    cls = import_module(module_name)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
     obj = cls.__new__(cls)  # as rank 0's object is, without running the constructor (it encodes images)
     obj.__dict__.update(data["state"])
     for attr, index in data["models"].items():
@@ -152,25 +177,43 @@ def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module]):
 def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module], ctx):
     """For one forward on this rank: the encoded patches in ``options`` become callables that run
     the patch under its declaration (``ctx``: the context-parallel forward, its streams and group)."""
-    hooks = (options or {}).get(PATCHES) or {}
-    if not any(hooks.values()):
+    slots = list(_slots(options))
+    if not slots:
         yield
         return
-    original = hooks
-    live, rebuilt = {}, {}  # rebuilt: object number -> (the patch, its tensors cut already)
-    for hook, entries in hooks.items():
-        live[hook] = []
-        for data in entries:
-            spec = patch_plan_named(data[MARK])
-            if data["object"] not in rebuilt:
-                rebuilt[data["object"]] = Rebuilt(_rebuild(data, spec, models))
-            site = plan.context_parallel.patch_sites[hook]
-            live[hook].append(ShardedPatch(rebuilt[data["object"]], spec, site, ctx))
-    options[PATCHES] = live
+    original = {kind: options[kind] for kind in (PATCHES, REPLACES) if kind in options}
+    live = {kind: {hook: ({} if isinstance(entries, dict) else [None] * len(entries))
+                   for hook, entries in value.items()} for kind, value in original.items()}
+    first = {data["object"]: data for _, _, _, data in slots if "state" in data}
+    rebuilt: dict[int, tuple[Rebuilt, PatchPlan]] = {}
+    for kind, hook, key, data in slots:
+        number = data["object"]
+        if number not in rebuilt:
+            whole = first[number]
+            spec = (user.patch_plan_from_wire(whole[MARK], whole["plan"]) if whole["plan"] is not None
+                    else patch_plan_named(whole[MARK]))
+            rebuilt[number] = (Rebuilt(_rebuild(whole, spec, models)), spec)
+        done, spec = rebuilt[number]
+        if kind == PATCHES:
+            live[kind][hook][key] = ShardedPatch(done, spec, plan.context_parallel.patch_sites[hook], ctx)
+        else:
+            live[kind][hook][key] = ShardedReplace(done, spec)
+    options.update(live)
     try:
         yield
     finally:
-        options[PATCHES] = original
+        options.update(original)
+
+
+class ShardedReplace:
+    """A block replacement (``patches_replace``) during one forward: called as ComfyUI calls it, with
+    the block's arguments and ``original_block``; the block's own hooks cut and gather the tokens."""
+
+    def __init__(self, rebuilt: "Rebuilt", spec: PatchPlan):
+        self.rebuilt, self.spec = rebuilt, spec
+
+    def __call__(self, args, extra):
+        return self.rebuilt.patch(args, extra)
 
 
 class Rebuilt:

@@ -37,16 +37,22 @@ NODES = "comfy_extras.nodes_model_patch"
 
 @dataclass(frozen=True)
 class PatchPlan:
-    classes: tuple[str, ...]    # qualified class names of the patch objects
+    classes: tuple[str, ...]    # qualified class names of the patch objects (globs in user plan files)
     title: str                  # what users call it
-    hooks: tuple[str, ...]      # transformer_options["patches"] entries it is set on
     tokens: str                 # "local" or "whole"
+    hooks: tuple[str, ...] = ()  # transformer_options["patches"] entries it is set on
+    # Block kinds whose ``transformer_options["patches_replace"]["dit"][(kind, i)]`` it replaces
+    # ("double_block"): called with the block's arguments and ``original_block``; "local" only (it
+    # meets the tokens where the block does: whole before the first block cuts them, local after).
+    replaces: tuple[str, ...] = ()
     models: tuple[str, ...] = ("model_patch",)
     # Attribute -> the zero-argument methods whose answers travel in its place (the VAE's compression).
     left: dict[str, tuple[str, ...]] = field(default_factory=dict)
     cut: tuple[Split, ...] = ()  # "local": the attributes cut like a stream (Split.arg: the attribute)
     # Rank 0, before each forward: ``prepare(patch, x)`` with the model's input latent ``x``.
     prepare: "Callable[[object, object], None] | None" = None
+    # A user plan file's (plans/user.py): (the file, its text), which the workers build it from.
+    source: "tuple[str, str] | None" = None
 
 
 class PatchRefused(RuntimeError):

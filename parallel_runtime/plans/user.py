@@ -23,13 +23,14 @@ import logging
 from pathlib import Path
 
 from .base import MAIN_STREAM, ContextParallelPlan, Gather, ModelPlan, Split
+from .patches import PatchPlan
 from .tensor_parallel import Colwise, ColwiseKV, Norm, Rowwise, SliceInput, TensorParallelPlan
 
 log = logging.getLogger(__name__)
 
 # What a plan file finds defined: the declarations of the built-in plans, nothing that runs.
 VOCABULARY = {obj.__name__: obj for obj in (ModelPlan, ContextParallelPlan, Split, Gather, TensorParallelPlan,
-                                            Colwise, ColwiseKV, Rowwise, Norm, SliceInput)}
+                                            Colwise, ColwiseKV, Rowwise, Norm, SliceInput, PatchPlan)}
 VOCABULARY["MAIN_STREAM"] = MAIN_STREAM
 
 
@@ -41,6 +42,8 @@ class UserPlanError(ValueError):
 _PLANS: dict[str, ModelPlan] = {}
 # path -> (stamp of the text read, families it gave, or the error it raised)
 _FILES: dict[str, tuple[str, tuple[str, ...], str | None]] = {}
+# path -> the model patch declarations (``PATCH_PLANS``) its file gave (plans/patches.py's vocabulary).
+_PATCH_PLANS: dict[str, tuple[PatchPlan, ...]] = {}
 
 
 def _stamp(text: str) -> str:
@@ -55,8 +58,12 @@ def build(text: str, origin: str, builtin_families: set[str], builtin_classes: d
     except Exception as exc:
         raise UserPlanError(f"user plan file {origin}: {type(exc).__name__}: {exc}") from exc
     plans = namespace.get("PLANS", (namespace["PLAN"],) if "PLAN" in namespace else None)
-    if not isinstance(plans, (tuple, list)) or not plans:
-        raise UserPlanError(f"user plan file {origin}: it sets neither PLAN (a ModelPlan) nor PLANS (a tuple of them)")
+    patch_plans = _patch_plans(namespace, origin, text)
+    if patch_plans and plans is None:
+        plans = ()
+    elif not isinstance(plans, (tuple, list)) or not plans:
+        raise UserPlanError(f"user plan file {origin}: it sets neither PLAN (a ModelPlan) nor PLANS (a tuple of them) "
+                            "nor PATCH_PLANS (a tuple of PatchPlan)")
     built = []
     for plan in plans:
         if not isinstance(plan, ModelPlan):
@@ -73,7 +80,40 @@ def build(text: str, origin: str, builtin_families: set[str], builtin_classes: d
                    else "classes must be qualified class names, e.g. 'my_pack.model.MyDiT'")
             raise UserPlanError(f"user plan file {origin}: plan '{plan.family}': {why}")
         built.append(dataclasses.replace(plan, source=(origin, text)))
+    _PATCH_PLANS[origin] = patch_plans
     return tuple(built)
+
+
+def _patch_plans(namespace: dict, origin: str, text: str) -> tuple[PatchPlan, ...]:
+    """A plan file's ``PATCH_PLANS``: how a custom pack's model patches run on every rank."""
+    given = namespace.get("PATCH_PLANS", ())
+    if not isinstance(given, (tuple, list)) or not all(isinstance(p, PatchPlan) for p in given):
+        raise UserPlanError(f"user plan file {origin}: PATCH_PLANS must be a tuple of PatchPlan")
+    for spec in given:
+        if spec.tokens not in ("local", "whole") or (spec.replaces and (spec.tokens != "local" or spec.cut)):
+            raise UserPlanError(f"user plan file {origin}: patch plan '{spec.title}': tokens must be 'local' or 'whole', "
+                                "and a block replacement ('replaces') is 'local' with nothing to cut")
+        if not spec.classes or not all(isinstance(c, str) and "." in c for c in spec.classes):
+            raise UserPlanError(f"user plan file {origin}: patch plan '{spec.title}': classes must be qualified class "
+                                "names, e.g. '*my_pack.patches.MyPatch'")
+    return tuple(dataclasses.replace(spec, source=(origin, text)) for spec in given)
+
+
+def patch_plan(class_name: str) -> PatchPlan | None:
+    """The user patch declaration whose ``classes`` name this qualified class name (globs as for ``find``)."""
+    for specs in _PATCH_PLANS.values():
+        for spec in specs:
+            if any(fnmatch.fnmatchcase(class_name, pattern) for pattern in spec.classes):
+                return spec
+    return None
+
+
+def patch_plan_from_wire(class_name: str, source: tuple[str, str]) -> PatchPlan | None:
+    """On a worker: the user patch declaration for ``class_name`` from the file text rank 0 sent."""
+    origin, text = source
+    if not any(s.source == (origin, text) for s in _PATCH_PLANS.get(origin, ())):
+        build(text, origin, set(), {})
+    return patch_plan(class_name)
 
 
 def refresh(folders, builtin_families: set[str], builtin_classes: dict[str, str]) -> list[str]:
@@ -108,6 +148,7 @@ def refresh(folders, builtin_families: set[str], builtin_classes: dict[str, str]
 
 
 def _forget(key: str) -> None:
+    _PATCH_PLANS.pop(key, None)
     _, families, _ = _FILES.pop(key, ("", (), None))
     for family in families:
         _PLANS.pop(family, None)

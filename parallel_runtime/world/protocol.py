@@ -27,9 +27,10 @@ from ..distributed import comm
 # LazyCache, read only by their own wrappers (which run outside ours).
 RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks", "easycache", "hybrid_parallel_compile"})
 # Entries that hold callables when another node patches the model: they would
-# change rank 0's computation only, so they are refused when non-empty. ("patches" is not one:
-# parallel/model_patches.py encodes the declared patch classes in it as data, and refuses the others.)
-PATCH_KEYS = ("patches_replace", "optimized_attention_override")
+# change rank 0's computation only, so they are refused when non-empty. ("patches" and
+# "patches_replace" are not: parallel/model_patches.py encodes the declared patch classes in them as
+# data, and refuses the others by name.)
+PATCH_KEYS = ("optimized_attention_override",)
 
 # One row per rank in the status table rank 0 shares with its local workers (a remote worker
 # sends its row, followed by its RSS). GPU figures are -1 on other devices, and so is a figure

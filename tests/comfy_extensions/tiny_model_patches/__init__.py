@@ -194,3 +194,41 @@ class TinyPatternImage:
 
 NODE_CLASS_MAPPINGS = {"TinyModelPatchLoader": TinyModelPatchLoader, "TinyImageVAE": TinyImageVAE,
                        "TinyPatternImage": TinyPatternImage}
+
+
+class TinyDoubleBlockBoost:
+    """A block replacement in the style of custom packs that replace Flux double blocks through
+    ``patches_replace`` (PuLID-like): the original block, then a per-token change of its image
+    tokens, ``img + strength * tanh(img) * scale`` with a seeded per-channel ``scale``. The pack runs
+    it on every rank only with a declaration (a user plan file's PATCH_PLANS, written by the test)."""
+
+    def __init__(self, strength: float, hidden: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.scale = torch.randn(hidden, generator=generator)
+        self.strength = strength
+
+    def __call__(self, args, extra):
+        out = extra["original_block"](args)
+        out["img"] = out["img"] + self.strength * torch.tanh(out["img"]) * self.scale.to(out["img"])
+        return out
+
+
+class TinyBlockReplace:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",),
+                             "strength": ("FLOAT", {"default": 0.5, "min": -10.0, "max": 10.0, "step": 0.01}),
+                             "seed": ("INT", {"default": 2, "min": 0, "max": 2**31})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing"
+
+    def patch(self, model, strength, seed):
+        hidden = model.get_model_object("diffusion_model").hidden_size
+        patched = model.clone()
+        patched.set_model_patch_replace(TinyDoubleBlockBoost(strength, hidden, seed), "dit", "double_block", 0)
+        return (patched,)
+
+
+NODE_CLASS_MAPPINGS["TinyBlockReplace"] = TinyBlockReplace
