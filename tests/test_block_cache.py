@@ -1,7 +1,8 @@
 """Block Cache (parallel_runtime/parallel/block_cache.py) through a real ComfyUI server on the tiny
-families: the node sharded under each layout equals the same node unsharded (fp32) with the same
-steps cached, at settings where at least a third of the steps are cached, and every rank takes one
-decision even where the ranks' own measures straddle the threshold."""
+families: the node sharded under each layout (USP, a weighted split and layout auto included) equals
+the same node unsharded (fp32) with the same steps cached, at settings where at least a third of the
+steps are cached, with TaylorSeer too and with the node placed before Shard Transformer, and every
+rank takes one decision even where the ranks' own measures straddle the threshold."""
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -103,11 +104,17 @@ MORE_CASES = [("ulysses2", f) for f in MORE_CACHE] + [("tp2", "z_image")]
 def QUICK_TIER(test: str, params: dict) -> bool:
     """The default run (conftest.in_quick_tier): Flux under every layout, Wan and Qwen-Image under
     Ulysses 2, and of the other families the two-stream LTX-2, Z-Image (also TP 2) and HunyuanVideo;
-    ``--full``: every family under every layout it has here."""
+    of the other settings TaylorSeer order 2 (its terms of every order up to 2) and the node placed
+    before Shard Transformer. ``--full``: every family under every layout it has here, TaylorSeer
+    order 1, and the four-rank USP (Ulysses 2 x Ring 2), the weighted split and layout auto."""
     if test == "test_sharded_block_cache_equals_unsharded":
         return params["family"] == "flux" or params["layout"] == "ulysses2"
     if test == "test_more_families_sharded_block_cache_equals_unsharded":
         return params["family"] in ("ltxav", "z_image", "hunyuan_video")
+    if test == "test_taylor_seer_sharded_equals_unsharded":
+        return params["order"] == 2
+    if test == "test_block_cache_under_more_layouts_equals_unsharded":
+        return False
     return True
 
 
@@ -145,6 +152,96 @@ def test_more_families_sharded_block_cache_equals_unsharded(tiny_server, layout,
     assert differs > DIFFERS, f"the cached run is the uncached one ({differs:.1e}): no step skipped its blocks"
     mesh = status(tiny_server)["mesh"]
     assert all(mesh[dim] == LAYOUTS[layout].get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
+
+
+def sharded_run(server, prompt) -> tuple[torch.Tensor, dict, dict, list[int]]:
+    """``run`` and the status after it, with the forwards each rank ran for this prompt."""
+    before = status(server)["ranks"]
+    out, row = run(server, prompt)
+    info = status(server)
+    after = info["ranks"]
+    if len(before) == len(after) and all(b["pid"] == a["pid"] for b, a in zip(before, after)):
+        ran = [a["forwards"] - b["forwards"] for a, b in zip(after, before)]
+    else:  # the world started for this prompt
+        ran = [a["forwards"] for a in after]
+    return out, row, info, ran
+
+
+def check_same_as_unsharded(label: str, out, row, plain, ref, ref_row, ran: list[int]) -> None:
+    """The sharded run equals the unsharded one with the same steps cached, at settings that cache a
+    third of the steps or more and move the result."""
+    assert ref_row["computed"] + ref_row["cached"] == STEPS, ref_row
+    assert ref_row["cached"] * 3 >= STEPS, f"the settings cache too little to test anything: {ref_row}"
+    differs = (ref - plain).abs().max().item()
+    err = (out - ref).abs().max().item()
+    worst = max((abs(a - b) for a, b in zip(row["measures"], ref_row["measures"]) if a is not None and b is not None),
+                default=0.0)
+    print(f"\n{label}: max abs err {err:.2e} against unsharded Block Cache (latents up to {ref.abs().max().item():.2f}); "
+          f"computed {row['computed']}, cached {row['cached']} (unsharded {ref_row['computed']} / {ref_row['cached']}); "
+          f"cached differs from uncached by {differs:.2e}; largest measure difference {worst:.1e}; "
+          f"forwards per rank {ran}")
+    assert len(ran) > 1 and ran == [STEPS] * len(ran)  # every step ran on every rank, cached or not
+    assert row["cached"] == ref_row["cached"] and row["computed"] == ref_row["computed"]
+    assert [m is None for m in row["measures"]] == [m is None for m in ref_row["measures"]]
+    assert worst <= 1e-4
+    assert err <= TOL
+    assert differs > 1e-3, f"the cached run is the uncached one ({differs:.1e}): no step skipped its blocks"
+
+
+# Issue 34's layouts beyond the five above, each on one family: the four-rank USP (Ulysses 2 x Ring 2),
+# a weighted split (rank 1 holds half rank 0's tokens, so the ranks' parts differ in length) and
+# layout auto over two ranks (the layout the cost model picks at the first forward).
+MORE_LAYOUTS = {"usp": ("flux", {"ulysses_size": 2, "ring_size": 2, "devices": "cpu,cpu,cpu,cpu"}),
+                "weighted": ("wan", {"ulysses_size": 2, "weights": "1,0.5"}),
+                "auto": ("flux", {"ulysses_size": 1, "devices": "cpu,cpu", "layout": "auto"})}
+
+
+@pytest.mark.parametrize("layout", list(MORE_LAYOUTS))
+def test_block_cache_under_more_layouts_equals_unsharded(tiny_server, layout):
+    family, parallel = MORE_LAYOUTS[layout]
+    plain, ref, ref_row = reference(tiny_server, family)
+    out, row, info, ran = sharded_run(tiny_server, cached_prompt(family, parallel, CACHE[family]))
+    check_same_as_unsharded(f"{family} {layout} (mesh {info['mesh']})", out, row, plain, ref, ref_row, ran)
+    if layout == "auto":
+        assert info["layout"] == "auto" and info["world_size"] == 2
+        (choice,) = [c for c in info["layouts"] if c["model"] == "Flux"]
+        print(f"layout auto chose {choice['layout']}")
+    else:
+        assert all(info["mesh"][dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "cfg", "tp"))
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_taylor_seer_sharded_equals_unsharded(tiny_server, order):
+    """TaylorSeer: the cached residual extrapolated from the last full steps (each rank its own part
+    of the terms) under Ulysses 2 equals the unsharded run of the same order, and differs from the
+    residual reused as it was (order 0)."""
+    cache = {**CACHE["flux"], "taylor_order": order}
+    plain, order0, _ = reference(tiny_server, "flux")
+    key = ("flux", "taylor", order)
+    if key not in _references:
+        _references[key] = run(tiny_server, cached_prompt("flux", None, cache))
+        print(f"\nflux TaylorSeer order {order} unsharded: {_references[key][1]}")
+    ref, ref_row = _references[key]
+    out, row, _, ran = sharded_run(tiny_server, cached_prompt("flux", {"ulysses_size": 2}, cache))
+    check_same_as_unsharded(f"flux TaylorSeer order {order}, ulysses2", out, row, plain, ref, ref_row, ran)
+    from_order0 = (ref - order0).abs().max().item()
+    print(f"order {order} differs from order 0 by {from_order0:.2e}")
+    assert from_order0 > 1e-3  # the extrapolation changed the cached steps
+
+
+def test_block_cache_before_shard_transformer_equals_unsharded(tiny_server):
+    """model -> Block Cache -> Shard Transformer -> KSampler under Ulysses 2: Shard Transformer keeps
+    the node's settings and wrapper (its own wrapper runs innermost), so every rank caches as with the
+    node after it; equal to the node unsharded."""
+    plain, ref, ref_row = reference(tiny_server, "wan")
+    prompt = family_prompt("wan", {"ulysses_size": 2})
+    prompt["7"]["inputs"]["steps"] = STEPS
+    prompt["30"] = {"class_type": "HybridBlockCache", "inputs": {"model": ["1", 0], **COMMON, **CACHE["wan"]}}
+    prompt["3"]["inputs"]["model"] = ["30", 0]
+    assert prompt["7"]["inputs"]["model"] == ["3", 0]
+    out, row, info, ran = sharded_run(tiny_server, prompt)
+    check_same_as_unsharded("wan, Block Cache before Shard Transformer, ulysses2", out, row, plain, ref, ref_row, ran)
+    assert info["mesh"]["ulysses"] == 2
 
 
 # Each rank's own measure scaled by 1.5 on rank 0 and 0.5 on rank 1 (PARALLEL_TEST_BLOCK_CACHE_SKEW):
