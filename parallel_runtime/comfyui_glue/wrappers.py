@@ -114,22 +114,6 @@ def shard_controlnets(conds: dict, config: ParallelConfig) -> list[torch.nn.Modu
     return installed
 
 
-class ShardedControlForward:
-    """A ControlNet's ``forward`` for one sampling run: every call runs on all ranks, each on its
-    share of the tokens (and of the batch under CFG), and returns the whole residuals on rank 0."""
-
-    def __init__(self, config: ParallelConfig, family: str, module):
-        self.config = config
-        self.family = family
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        world = RUNTIME.world_for(self.config)
-        forward = type(self.module).forward.__get__(self.module)
-        with interrupts.deferred():
-            return world.forward(self.module, plan_for_family(self.family), forward, args, kwargs)
-
-
 class ShardedForward:
     def __init__(self, config: ParallelConfig, family: str, first_step=None):
         self.config = config
@@ -186,21 +170,35 @@ class ShardedModelForward:
         return out
 
 
-class ShardedEncoderForward:
-    """Installed (by an object patch on the CLIP's ModelPatcher) as a text encoder's
-    ``forward``: every call runs on all ranks, each with its slice of the encoder."""
+class ShardedModuleForward:
+    """A module's ``forward`` whose every call runs on all ranks (Cancel lands after it)."""
 
     def __init__(self, config: ParallelConfig, family: str, module):
         self.config = config
         self.family = family
         self.module = module
 
-    def __call__(self, *args, **kwargs):
+    def run(self, args, kwargs, source=None):
         world = RUNTIME.world_for(self.config)
         forward = type(self.module).forward.__get__(self.module)
         with interrupts.deferred():
-            out = world.forward(self.module, plan_for_family(self.family), forward, args, kwargs,
-                                source=source_of(self.module))
+            return world.forward(self.module, plan_for_family(self.family), forward, args, kwargs, source=source)
+
+
+class ShardedControlForward(ShardedModuleForward):
+    """A ControlNet's ``forward`` for one sampling run: every call runs on all ranks, each on its
+    share of the tokens (and of the batch under CFG), and returns the whole residuals on rank 0."""
+
+    def __call__(self, *args, **kwargs):
+        return self.run(args, kwargs)
+
+
+class ShardedEncoderForward(ShardedModuleForward):
+    """Installed (by an object patch on the CLIP's ModelPatcher) as a text encoder's
+    ``forward``: every call runs on all ranks, each with its slice of the encoder."""
+
+    def __call__(self, *args, **kwargs):
+        out = self.run(args, kwargs, source=source_of(self.module))
         # The caller computed its inputs where the encoder's own weights are (where ComfyUI
         # offloads them, with tensor parallelism); it gets its output there too.
         return _to_device(out, _input_device(args, kwargs))
