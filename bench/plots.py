@@ -5,7 +5,8 @@
 Writes speedup.png (speedup against world size, per mode, with the ideal line),
 memory.png (weights and peak RSS of the largest rank, per scenario), table.md and
 comparison.md (this pack against the peers, per round) from the records of all the files;
-cache.md and cache.png from the ``cache`` suite's records (bench/cache_bench.py).
+cache.md and cache.png from the ``cache`` suite's records (bench/cache_bench.py); controlnet.md from
+the ``controlnet`` suite's (bench/controlnet_bench.py).
 """
 from __future__ import annotations
 
@@ -85,12 +86,21 @@ def comparison(records: list[dict]) -> str:
 
 
 def plot(records_paths: list[Path], out_dir: Path) -> None:
+    files = [load(path) for path in records_paths]
+    controlnet = [r for records in files for r in records if r.get("controlnet_ways")]
+    if controlnet:  # a table only: no matplotlib needed
+        from controlnet_bench import controlnet_table
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "controlnet.md").write_text(controlnet_table(controlnet))
+        files = [[r for r in records if not r.get("controlnet_ways")] for records in files]
+        if not any(files):
+            return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = [load(path) for path in records_paths]
     cached = [r for records in files for r in records if r.get("cache_variants")]
     if cached:
         plot_cache(cached, out_dir)

@@ -4,6 +4,7 @@
     tools/run.sh python bench/run.py --suite quick --out bench/results/quick.jsonl
     tools/run.sh python bench/run.py --suite full --out bench/results/full.jsonl --plots bench/results
     tools/run.sh python bench/run.py --device cuda --suite full --out gpu.jsonl   # on a GPU host (NCCL)
+    tools/run.sh python bench/run.py --suite controlnet --out bench/results/controlnet.jsonl --plots bench/results
 
 Each scenario runs the same model on one rank (this process, ``--threads-per-rank``
 threads) and on the scenario's mesh (this process as rank 0 plus worker
@@ -276,7 +277,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", default="quick",
                         choices=["smoke", "quick", "full", "vae", "memory", "gguf", "compile", "auto", "weighted",
-                                 "cache", "none"],
+                                 "cache", "controlnet", "none"],
                         help="scenarios to run; 'none' with --peers runs only the peer comparison")
     parser.add_argument("--scenario", nargs="*", help="run these scenarios instead of a suite")
     parser.add_argument("--out", required=True, help="JSON-lines file for the records (appended)")
@@ -335,6 +336,18 @@ def main() -> int:
                     print(f"[bench]   {r['where']} threshold {r['threshold']}: end to end {r['e2e_ms_median']:.0f} ms "
                           f"({r['speedup_vs_uncached']:.2f}x its uncached twin), cached {r['cached_steps']}/"
                           f"{record['steps']}, PSNR {r['image_psnr_db']}", file=sys.stderr, flush=True)
+                continue
+            if scenario.extra.get("controlnet"):
+                from controlnet_bench import run_controlnet_scenario
+
+                record = run_controlnet_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+                write(record, round_)
+                for w in record["controlnet_ways"]:
+                    print(f"[bench]   {w['way']}: step {w['step_ms_median']:.0f} ms (ControlNet "
+                          f"{w['controlnet_ms_median']:.0f} + transformer {w['transformer_ms_median']:.0f}), err "
+                          f"{w['max_abs_err_vs_unsharded']:.1e}", file=sys.stderr, flush=True)
+                print(f"[bench]   sharded ControlNet over rank 0 only: {record['speedup_sharded_over_rank0']:.3f}x",
+                      file=sys.stderr, flush=True)
                 continue
             run = run_compiled_scenario if scenario.extra.get("compile") else run_scenario
             record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat)

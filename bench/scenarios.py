@@ -288,3 +288,23 @@ SCENARIOS += [
                     "timestep_scale": 1000.0},
              notes="4 blocks; Block Cache Fn 1, Bn 0, warm-up 2, at most 3 cached in a row"),
 ]
+
+
+# One sampling step with a Flux ControlNet, three ways in one run (bench/controlnet_bench.py): unsharded,
+# the ControlNet on rank 0 only with the transformer under Ulysses 2, and both under Ulysses 2. The
+# ControlNet has the transformer's width and 1 double + 1 single block: next to the transformer's 2 + 4
+# that is InstantX's proportion (5 + 10 next to Flux.1's 19 + 38; XLabs' 2 + 0 is lighter). XLabs'
+# layout runs an image hint through convolutions at 8x the latent's size every step (on every rank,
+# before the tokens are cut): at width 512 that is a large part of the ControlNet, at Flux's 3072 a
+# small one. InstantX's layout takes the VAE-encoded hint (a linear on its patches).
+SCENARIOS += [
+    Scenario("flux_controlnet_ulysses2", "flux", "controlnet", {"ulysses": 2}, flux(FLUX), FLUX.tokens,
+             suites=("controlnet",), repeat=3,
+             extra={"controlnet": True, "shape": FLUX, "double": 1, "single": 1, "strength": 0.8},
+             notes="ControlNetFlux (XLabs layout, image hint 1024 x 1024), 1 double + 1 single block, width 512"),
+    Scenario("flux_controlnet_instantx_ulysses2", "flux", "controlnet", {"ulysses": 2}, flux(FLUX), FLUX.tokens,
+             suites=("controlnet",), repeat=3,
+             extra={"controlnet": True, "shape": FLUX, "double": 1, "single": 1, "strength": 0.8,
+                    "latent_input": True},
+             notes="ControlNetFlux (InstantX layout, latent hint 16 x 128 x 128), 1 double + 1 single block, width 512"),
+]

@@ -94,3 +94,31 @@ def test_cache_table_and_psnr():
     assert abs(cache_bench.psnr(image + 0.01, image) - 40.0) < 1e-4
     rgb = cache_bench.preview_decode(torch.zeros(1, 16, 2, 4, 4), [[0.0] * 3] * 16, [0.0] * 3)
     assert rgb.shape == (1, 3, 2, 4, 4) and torch.all(rgb == 0.5)
+
+
+def test_controlnet_table():
+    """bench/controlnet_bench.py: one row per record, each way's step as ControlNet + transformer, the speedup
+    of 3 over 2."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import controlnet_bench
+
+    ways = [dict(way=w, title=controlnet_bench.WAY_TITLES[w], world_size=n, step_ms_median=s, controlnet_ms_median=c,
+                 transformer_ms_median=s - c, step_ms_all=[s, s + 10.0, s - 10.0], max_abs_err_vs_unsharded=e,
+                 residual_max_abs_err_vs_unsharded=e)
+            for w, n, s, c, e in (("unsharded", 1, 9000.0, 2500.0, 0.0), ("rank0_controlnet", 2, 7000.0, 2500.0, 1e-6),
+                                  ("sharded_controlnet", 2, 6000.0, 1500.0, 1e-6))]
+    record = {"scenario": "flux_controlnet_ulysses2", "time": "2026-11-27T02:00:00", "machine": {"cpu_count": 2, "cpu": "x"},
+              "load_average_start": [4.0], "load_average_end": [4.5], "threads_per_rank": 1, "comfyui": "0.33.0",
+              "rounds": 3, "run_s": 200.0, "tokens": 4352, "controlnet_ways": ways,
+              "transformer_shape": {"double": 2, "single": 4, "hidden": 512},
+              "controlnet_shape": {"layout": "XLabs layout, image hint", "double": 1, "single": 1, "hint": [1, 3, 1024, 1024]},
+              "speedup_sharded_over_rank0": 7000 / 6000, "controlnet_speedup_sharded_over_rank0": 2500 / 1500,
+              "controlnet_share_unsharded": 2500 / 9000, "control_effect_max_abs": 0.3, "output_max_abs": 2.0}
+    record.update(control_entries={"input": 19, "middle": 0, "output": 38}, control_bytes_entries=57 * 2**20,
+                  control_bytes_distinct=2 * 2**20)
+    lines = controlnet_bench.controlnet_table([record]).splitlines()
+    assert len(lines) == 7
+    row = lines[4]
+    assert row.startswith("| 2026-11-27 02:00 | 2 shared cores, loaded, load 4.0 to 4.5")
+    assert "| 9000 (2500 + 6500) | 7000 (2500 + 4500) | 6000 (1500 + 4500) | **1.167x** | 1.67x | 28 % |" in row
+    assert "57 entries (57 MiB; 2 MiB of distinct tensors)" in lines[6]
