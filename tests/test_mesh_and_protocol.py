@@ -86,3 +86,15 @@ def test_patches_from_other_nodes_are_refused_and_orchestration_is_dropped():
     assert set(protocol.worker_transformer_options(options)) == {"sigmas", "patches"}
     with pytest.raises(protocol.UnsupportedInput, match="optimized_attention_override"):
         protocol.worker_transformer_options({"optimized_attention_override": print})
+
+
+def test_a_tensor_that_appears_many_times_travels_once():
+    """A ControlNet's residuals repeat one block's tensor for several blocks of the model: the
+    broadcast carries it once, and every place it appeared gets it back."""
+    a, b = torch.randn(2, 3), torch.randn(4)
+    tensors: list = []
+    spec = protocol.flatten(({"input": [a, a, a, b], "output": (b, b)},), tensors)
+    assert len(tensors) == 2 and tensors[0] is a and tensors[1] is b
+    (control,) = protocol.unflatten(spec, tensors)
+    assert [t is a for t in control["input"]] == [True, True, True, False]
+    assert all(t is b for t in control["output"]) and control["input"][3] is b

@@ -86,22 +86,29 @@ def _comfy_data_object(obj) -> bool:
             and not hasattr(cls, "__slots__") and isinstance(getattr(obj, "__dict__", None), dict))
 
 
-def flatten(obj, tensors: list, path: str = "input"):
-    """Encode ``obj`` as a spec, collecting its tensors in ``tensors``."""
+def flatten(obj, tensors: list, path: str = "input", _seen: dict | None = None):
+    """Encode ``obj`` as a spec, collecting its tensors in ``tensors``: each distinct tensor once (a
+    ControlNet's residuals repeat one block's tensor for many blocks of the model: 57 entries, 2
+    tensors for an XLabs Flux ControlNet), and every place it appears refers to it."""
+    seen = {} if _seen is None else _seen
     if isinstance(obj, torch.Tensor):
+        known = seen.get(id(obj))
+        if known is not None and tensors[known] is obj:
+            return (TENSOR, known)
         tensors.append(obj)
+        seen[id(obj)] = len(tensors) - 1
         return (TENSOR, len(tensors) - 1)
     if isinstance(obj, _PLAIN) or isinstance(obj, enum.Enum):
         return (VALUE, obj)
     if isinstance(obj, dict):
-        return (DICT, [(k, flatten(v, tensors, f"{path}[{k!r}]")) for k, v in obj.items()])
+        return (DICT, [(k, flatten(v, tensors, f"{path}[{k!r}]", seen)) for k, v in obj.items()])
     if isinstance(obj, list):
-        return (LIST, [flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)])
+        return (LIST, [flatten(v, tensors, f"{path}[{i}]", seen) for i, v in enumerate(obj)])
     if isinstance(obj, tuple):
-        items = [flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+        items = [flatten(v, tensors, f"{path}[{i}]", seen) for i, v in enumerate(obj)]
         return (TUPLE, items) if type(obj) is tuple else (NAMED, type(obj), items)
     if _comfy_data_object(obj):
-        return (OBJECT, type(obj), [(k, flatten(v, tensors, f"{path}.{k}")) for k, v in vars(obj).items()])
+        return (OBJECT, type(obj), [(k, flatten(v, tensors, f"{path}.{k}", seen)) for k, v in vars(obj).items()])
     raise UnsupportedInput(f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which cannot be sent "
                            "to the other ranks (only tensors and plain values can)")
 
