@@ -33,13 +33,16 @@ TP_QUICK = ("flux", "wan", "qwen_image", "z_image", "ltxav", "ernie_image", "min
 def QUICK_TIER(test: str, params: dict) -> bool:
     """The default run (conftest.in_quick_tier): every family under Ulysses 2 through the server (its
     loader, detection and plan), TP 2 for the families named in TP_QUICK (every family's TP plan is also
-    checked in process, tests/test_tensor_parallel.py), the four-rank hybrids on Wan, the other layouts
+    checked in process, tests/test_tensor_parallel.py), the four-rank hybrids on Wan, TP 4's share of the
+    weights on MiniMax-H3, the other layouts
     for the two-stream families (LTX-2's audio and video, MiniMax-H3's packed segments) and one Hunyuan
     model; ``--full`` runs them all."""
     if test == "test_family_equals_unsharded":
         return params["layout"] != "tp2" or params["family"] in TP_QUICK
     if test == "test_four_rank_hybrids":
         return params["family"] == "wan"
+    if test == "test_tp4_weights_per_rank":
+        return params["family"] == "minimax_h3"
     if test == "test_family_under_the_other_layouts":
         return params["family"] in ("ltxav_i2v", "minimax_h3") or \
             (params["family"] == "hunyuan_video15" and params["layout"] == "ring2")

@@ -30,10 +30,14 @@ LAYOUTS = {
 
 def QUICK_TIER(test: str, params: dict) -> bool:
     """The default run (conftest.in_quick_tier): the quantized models under Ulysses 2 x TP 2 (cut weights
-    and a split sequence at once) and Ring 2; TP 4's share of the bytes; ``--full``: every layout."""
+    and a split sequence at once) and Ring 2; TP 2's share of the bytes; ``--full``: every layout, TP 4."""
     if test == "test_quantized_models_under_every_layout_equal_the_unsharded_run":
         return params["layout"] in ("Ulysses 2 x TP 2", "Ring 2")
+    if test == "test_tp_ranks_hold_their_share_of_the_quantized_bytes":
+        return params["tp"] == 2
     return True
+
+
 def _models() -> tuple[str, ...]:
     from test_comfy_gguf_loaders import flux_heads_detected
 

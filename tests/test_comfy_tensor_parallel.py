@@ -47,6 +47,11 @@ def free_every_rank(server) -> list[int]:
     return [r["param_bytes"] for r in status(server)["ranks"]]
 
 
+def QUICK_TIER(test: str, params: dict) -> bool:
+    """The default run (conftest.in_quick_tier) checks TP 2's share of the weights; ``--full`` TP 4's too."""
+    return test != "test_each_rank_holds_its_share_of_the_weights" or params["tp"] == 2
+
+
 @pytest.mark.parametrize("tp,limit", [(2, 0.55), (4, 0.30)])
 def test_each_rank_holds_its_share_of_the_weights(tiny_server, tiny_prompt, tp, limit):
     free_every_rank(tiny_server)  # the session's earlier models in this world would count too
