@@ -79,3 +79,14 @@ def test_the_workers_run_the_controlnet(tiny_server):
     controlled = forwards(seeded(controlled_prompt({"ulysses_size": 2}), 1003))
     print(f"\nrank 1 ran {plain} forwards without the ControlNet, {controlled} with it")
     assert plain > 0 and controlled == 2 * plain
+
+
+def test_free_releases_the_controlnet_on_every_rank(tiny_server):
+    """ComfyUI's /free unloads the ControlNet too: every rank lets its copy go (nothing left held)."""
+    from test_comfy_tensor_parallel import free_every_rank
+
+    prompt = controlled_prompt({"ulysses_size": 2})
+    prompt["7"]["inputs"]["seed"] = 1004  # not served from ComfyUI's cache
+    final_latents(tiny_server, prompt)
+    assert status(tiny_server)["ranks"][1]["param_bytes"] > 0
+    assert free_every_rank(tiny_server) == [0, 0]

@@ -207,3 +207,15 @@ def test_a_declared_block_replacement_equals_unsharded(tiny_server, replace_plan
     err = max_error(out, ref)
     print(f"\nFlux with a declared double-block replacement under {layout}: max abs err {err:.2e}")
     assert err <= TOL
+
+
+@pytest.mark.comfy_server
+def test_free_releases_a_patch_model_on_every_rank(tiny_server):
+    """ComfyUI's /free unloads the patch's model too: every rank lets its copy go."""
+    from test_comfy_e2e import status
+    from test_comfy_tensor_parallel import free_every_rank
+
+    prompt = patched_prompt("qwen_image", {"ulysses_size": 2}, image_seed=13)  # not served from the cache
+    final_latents(tiny_server, prompt)
+    assert status(tiny_server)["ranks"][1]["param_bytes"] > 0
+    assert free_every_rank(tiny_server) == [0, 0]

@@ -68,6 +68,8 @@ class ShardedRun:
         if self.first_step is not None:
             self.first_step.begin_run()
         controls = shard_controlnets(getattr(guider, "conds", None) or {}, self.config)
+        for patcher in patch_model_patchers(options):
+            release_on_unload(patcher, patcher.model)
         try:
             return executor(*args, **kwargs)
         finally:
@@ -75,16 +77,45 @@ class ShardedRun:
                 module.__dict__.pop("forward", None)
 
 
+RELEASE_KEY = "hybrid_parallel_release"
+
+
+def release_on_unload(patcher, module: torch.nn.Module) -> None:
+    """When ComfyUI unloads ``patcher`` (``/free``, a model switch, low memory), every rank frees its
+    copy of ``module`` (a ControlNet's or a model patch's model, which the workers hold next to the
+    transformer); the next run sends it again. Once per patcher."""
+    import comfy.patcher_extension
+
+    detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
+    if patcher is None or RELEASE_KEY in (getattr(patcher, "callbacks", {}).get(detach) or {}):
+        return
+    patcher.add_callback_with_key(detach, RELEASE_KEY, lambda _patcher, _unpatch_all: RUNTIME.release(module))
+
+
+def patch_model_patchers(options: dict) -> list:
+    """The ModelPatchers of the run's model patches (``patch.models()``, ComfyUI's protocol for them)."""
+    found = {}
+    for kind in ("patches", "patches_replace"):
+        for entries in (options.get(kind) or {}).values():
+            for patch in (entries.values() if isinstance(entries, dict) else entries):
+                for patcher in (patch.models() if callable(getattr(patch, "models", None)) else ()):
+                    if isinstance(getattr(patcher, "model", None), torch.nn.Module):
+                        found.setdefault(id(patcher), patcher)
+    return list(found.values())
+
+
 def controlnet_models(conds: dict) -> list[torch.nn.Module]:
-    """The ``control_model`` of every ControlNet in a sampling run's conditioning (chains included)."""
+    """The ``control_model`` of every ControlNet in a sampling run's conditioning (chains included);
+    each is freed on every rank when ComfyUI unloads it."""
     found: dict[int, torch.nn.Module] = {}
     for entries in conds.values():
         for cond in entries or ():
             control = cond.get("control") if isinstance(cond, dict) else None
             while control is not None:
                 module = getattr(control, "control_model", None)
-                if isinstance(module, torch.nn.Module):
-                    found.setdefault(id(module), module)
+                if isinstance(module, torch.nn.Module) and id(module) not in found:
+                    found[id(module)] = module
+                    release_on_unload(getattr(control, "control_model_wrapped", None), module)
                 control = getattr(control, "previous_controlnet", None)
     return list(found.values())
 
