@@ -15,6 +15,7 @@ record per line. On the CPU every rank gets ``--threads-per-rank`` threads
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -273,6 +274,36 @@ def run_compiled_scenario(scenario, device: str, threads: int, repeat: int | Non
     }
 
 
+def _report_auto(record: dict) -> list[str]:
+    return [f"auto picked {record['auto_pick']} ({record['auto_over_best']:.3f} x the best, {record['best_manual']}): "
+            + ", ".join(f"{k} predicted {v['predicted_ms']:.0f} / measured {v['measured_ms']:.0f} ms"
+                        for k, v in record["layouts"].items())]
+
+
+def _report_weighted(record: dict) -> list[str]:
+    return [f"rank 1 {record['slow_factor']}x slower: even {record['even_ms_median']:.0f} ms, weighted "
+            f"{record['weighted_ms_median']:.0f} ms ({record['weighted_gain'] * 100:+.0f} %), err {record['max_abs_err']:.1e}"]
+
+
+def _report_cache(record: dict) -> list[str]:
+    return [f"{r['where']} threshold {r['threshold']}: end to end {r['e2e_ms_median']:.0f} ms "
+            f"({r['speedup_vs_uncached']:.2f}x its uncached twin), cached {r['cached_steps']}/{record['steps']}, "
+            f"PSNR {r['image_psnr_db']}" for r in record["cache_variants"]]
+
+
+def _report_controlnet(record: dict) -> list[str]:
+    return [f"{w['way']}: step {w['step_ms_median']:.0f} ms (ControlNet {w['controlnet_ms_median']:.0f} + transformer "
+            f"{w['transformer_ms_median']:.0f}), err {w['max_abs_err_vs_unsharded']:.1e}" for w in record["controlnet_ways"]] \
+        + [f"sharded ControlNet over rank 0 only: {record['speedup_sharded_over_rank0']:.3f}x"]
+
+
+# Scenario flag -> (module, runner, report lines) of the suites with a runner of their own.
+SUITE_RUNNERS = {"auto": ("auto_bench", "run_auto_scenario", _report_auto),
+                 "weighted": ("weighted_bench", "run_weighted_scenario", _report_weighted),
+                 "cache": ("cache_bench", "run_cache_scenario", _report_cache),
+                 "controlnet": ("controlnet_bench", "run_controlnet_scenario", _report_controlnet)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", default="quick",
@@ -309,45 +340,14 @@ def main() -> int:
         for scenario in select(opts.suite, opts.scenario):
             print(f"[bench] {scenario.name}: {scenario.mode} {scenario.mesh} on {opts.device}, {scenario.tokens} tokens",
                   file=sys.stderr, flush=True)
-            if scenario.extra.get("auto"):
-                from auto_bench import run_auto_scenario
-
-                record = run_auto_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+            special = next((key for key in SUITE_RUNNERS if scenario.extra.get(key)), None)
+            if special is not None:  # a suite with its own runner, imported only when it runs
+                module, function, report = SUITE_RUNNERS[special]
+                runner = getattr(importlib.import_module(module), function)
+                record = runner(scenario, opts.device, opts.threads_per_rank, opts.repeat)
                 write(record, round_)
-                print(f"[bench]   auto picked {record['auto_pick']} ({record['auto_over_best']:.3f} x the best, "
-                      f"{record['best_manual']}): " + ", ".join(f"{k} predicted {v['predicted_ms']:.0f} / measured "
-                      f"{v['measured_ms']:.0f} ms" for k, v in record["layouts"].items()), file=sys.stderr, flush=True)
-                continue
-            if scenario.extra.get("weighted"):
-                from weighted_bench import run_weighted_scenario
-
-                record = run_weighted_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
-                write(record, round_)
-                print(f"[bench]   rank 1 {record['slow_factor']}x slower: even {record['even_ms_median']:.0f} ms, weighted "
-                      f"{record['weighted_ms_median']:.0f} ms ({record['weighted_gain'] * 100:+.0f} %), err "
-                      f"{record['max_abs_err']:.1e}", file=sys.stderr, flush=True)
-                continue
-            if scenario.extra.get("cache"):
-                from cache_bench import run_cache_scenario
-
-                record = run_cache_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
-                write(record, round_)
-                for r in record["cache_variants"]:
-                    print(f"[bench]   {r['where']} threshold {r['threshold']}: end to end {r['e2e_ms_median']:.0f} ms "
-                          f"({r['speedup_vs_uncached']:.2f}x its uncached twin), cached {r['cached_steps']}/"
-                          f"{record['steps']}, PSNR {r['image_psnr_db']}", file=sys.stderr, flush=True)
-                continue
-            if scenario.extra.get("controlnet"):
-                from controlnet_bench import run_controlnet_scenario
-
-                record = run_controlnet_scenario(scenario, opts.device, opts.threads_per_rank, opts.repeat)
-                write(record, round_)
-                for w in record["controlnet_ways"]:
-                    print(f"[bench]   {w['way']}: step {w['step_ms_median']:.0f} ms (ControlNet "
-                          f"{w['controlnet_ms_median']:.0f} + transformer {w['transformer_ms_median']:.0f}), err "
-                          f"{w['max_abs_err_vs_unsharded']:.1e}", file=sys.stderr, flush=True)
-                print(f"[bench]   sharded ControlNet over rank 0 only: {record['speedup_sharded_over_rank0']:.3f}x",
-                      file=sys.stderr, flush=True)
+                for line in report(record):
+                    print(f"[bench]   {line}", file=sys.stderr, flush=True)
                 continue
             run = run_compiled_scenario if scenario.extra.get("compile") else run_scenario
             record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat)
