@@ -13,9 +13,12 @@ import pytest
 
 from test_comfy_e2e import status
 from test_comfy_families import final_latents, max_error
+from test_comfy_gguf_loaders import NARROW_FLUX, flux_heads_detected
 from tiny_families import FAMILIES, FLUX_CONTROLNET_FILE, family_prompt
 
-pytestmark = pytest.mark.comfy_server
+pytestmark = [pytest.mark.comfy_server,
+              # ControlNetLoader detects the file as a Flux model; ComfyUI 0.3.75 fixes that at 24 heads.
+              pytest.mark.skipif(not flux_heads_detected(), reason=f"{NARROW_FLUX} (the tiny ControlNet is 256 wide)")]
 TOL = 1e-4
 LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "ring2": {"ring_size": 2}, "cfg2": {"cfg_size": 2},
            "tp2": {"tp_size": 2},
