@@ -197,7 +197,7 @@ def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module]
         if kind == PATCHES:
             live[kind][hook][key] = ShardedPatch(done, spec, plan.context_parallel.patch_sites[hook], ctx)
         else:
-            live[kind][hook][key] = ShardedReplace(done, spec)
+            live[kind][hook][key] = ShardedReplace(done)
     options.update(live)
     try:
         yield
@@ -209,8 +209,8 @@ class ShardedReplace:
     """A block replacement (``patches_replace``) during one forward: called as ComfyUI calls it, with
     the block's arguments and ``original_block``; the block's own hooks cut and gather the tokens."""
 
-    def __init__(self, rebuilt: "Rebuilt", spec: PatchPlan):
-        self.rebuilt, self.spec = rebuilt, spec
+    def __init__(self, rebuilt: "Rebuilt"):
+        self.rebuilt = rebuilt
 
     def __call__(self, args, extra):
         return self.rebuilt.patch(args, extra)

@@ -107,10 +107,6 @@ PLANS: tuple[PatchPlan, ...] = (
 )
 
 
-def find_patch_plan(obj) -> PatchPlan | None:
-    return patch_plan_named(class_name(obj))
-
-
 def class_name(obj) -> str:
     """The qualified name of ``obj``'s class as the declarations write it. ComfyUI imports its
     ``comfy_extras`` node modules under their file path (``/.../ComfyUI/comfy_extras/nodes_model_patch``):
@@ -138,4 +134,4 @@ def declared_text() -> str:
 MODEL_PLAN = ModelPlan(family="model_patch", title="model patch", classes=(), heads_attr="",
                        context_parallel=ContextParallelPlan(inputs={}, outputs={}, attention={}), kind="patch")
 
-__all__ = ["MODEL_PLAN", "PLANS", "PatchPlan", "PatchRefused", "declared_text", "find_patch_plan", "class_name", "patch_plan_named"]
+__all__ = ["MODEL_PLAN", "PLANS", "PatchPlan", "PatchRefused", "declared_text", "class_name", "patch_plan_named"]
