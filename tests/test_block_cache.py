@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from comfy_server import ComfyServer, PromptFailed
 from test_comfy_e2e import status
+import tiny_families
 from tiny_families import ALL_FAMILIES, FAMILIES, family_prompt
 
 pytestmark = pytest.mark.multirank
@@ -27,14 +28,9 @@ _references: dict = {}
 
 
 def cached_prompt(family: str, parallel: dict | None, cache: dict | None = None, steps: int = STEPS) -> dict:
-    """The family's tiny graph with ``steps`` steps and Block Cache after Shard Transformer (None: no cache)."""
-    prompt = family_prompt(family, parallel)
-    sampler = prompt["7"]["inputs"]
-    sampler["steps"] = steps
-    if cache is not None:
-        prompt["30"] = {"class_type": "HybridBlockCache", "inputs": {"model": sampler["model"], **COMMON, **cache}}
-        sampler["model"] = ["30", 0]
-    return prompt
+    """The family's tiny graph with ``steps`` steps and Block Cache (COMMON and ``cache``) after Shard
+    Transformer (None: no cache)."""
+    return tiny_families.cached_prompt(family, parallel, None if cache is None else {**COMMON, **cache}, steps)
 
 
 def run(server, prompt) -> tuple[torch.Tensor, dict]:

@@ -1,6 +1,7 @@
 """The pack and ComfyUI's model management, in this process: what the ranks receive is what
 ComfyUI's forward uses, re-sends follow what ComfyUI changes, tensor parallelism keeps the full
 weights out of ComfyUI's loading and tells it rank 0's real size, and an unload frees every rank."""
+import pytest
 import torch
 
 from conftest import PACK  # the pack as ComfyUI imports it
@@ -189,8 +190,6 @@ def test_the_dynamic_vram_delegate_loads_as_comfyui_does_without_dynamic_vram(tm
     patcher that reports dynamic in place of comfy-aimdo's (which needs a GPU)."""
     import importlib.util
 
-    import pytest
-
     if importlib.util.find_spec("comfy.memory_management") is None:
         pytest.skip("this ComfyUI has no dynamic VRAM (before 0.33)")
     import comfy.memory_management
@@ -243,3 +242,44 @@ def test_the_dynamic_vram_delegate_loads_as_comfyui_does_without_dynamic_vram(tm
     # The switches are ComfyUI's again afterwards.
     assert comfy.memory_management.aimdo_enabled is True
     assert comfy.model_patcher.CoreModelPatcher is ReportsDynamic
+
+
+def test_a_dynamically_loaded_module_travels_without_comfy_aimdos_per_process_state():
+    """ComfyUI 0.33's dynamic VRAM (NVIDIA) loads the stock ControlNet as it loads it there, with no
+    non-dynamic delegate to take instead: each layer holds its slice of the model's virtual address
+    range as raw pointers in a ctypes array (``_v``), device views, a residency signature, and the
+    model its ranges (``dynamic_vbars``). An H100 run failed sending it ("Can't pickle
+    c_uint_Array_2"). Here those attributes are set as ModelPatcherDynamic sets them (comfy-aimdo
+    needs a GPU): the module travels without them and computes as rank 0's, casting per forward."""
+    import ctypes
+
+    import comfy.ops
+
+    from parallel_runtime.weights import pickling
+    from parallel_runtime.weights.sources import worker_module_state
+
+    ops = comfy.ops.disable_weight_init
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ops.Linear(16, 32), torch.nn.GELU(), ops.Linear(32, 8)).float()
+    model.dynamic_vbars = {torch.device("cpu"): (ctypes.c_uint * 4)()}
+    for index, layer in enumerate((model[0], model[2])):
+        layer.comfy_cast_weights = True  # as ModelPatcherDynamic.load sets it
+        layer.seed_key = str(index)
+        layer._v = ((ctypes.c_uint * 2)(), 4096 * index, 4096)  # a slice of the range: pointers
+        layer._v_weight = torch.empty(0)
+        layer._v_signature = None
+        layer._pin_state = {"pinned": (ctypes.c_uint * 2)()}
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="c_uint_Array"):  # what the H100 run met: the state cannot travel
+        pickling.pack_module(model, module_state=lambda module, state: state)
+
+    data, tensors, _, _ = pickling.pack_skeleton(model, module_state=worker_module_state)
+    copy = pickling.unpack_skeleton(data, [t.clone() for t in tensors])
+    names = ("dynamic_vbars", "_v", "_v_weight", "_v_signature", "_pin_state")
+    assert not any(hasattr(layer, name) for layer in copy.modules() for name in names)
+    assert copy[0].comfy_cast_weights and copy[2].comfy_cast_weights  # bf16 input, fp32 weights: cast per op
+    for layer in (model[0], model[2]):  # rank 0's layers, as ComfyUI's classic cast path runs them
+        del layer._v, layer._v_weight
+    expected = model(x)
+    out = copy(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)

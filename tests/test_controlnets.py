@@ -14,7 +14,8 @@ import pytest
 from test_comfy_e2e import status
 from test_comfy_families import final_latents, max_error
 from test_comfy_gguf_loaders import NARROW_FLUX, flux_heads_detected
-from tiny_families import FAMILIES, FLUX_CONTROLNET_FILE, family_prompt
+from tiny_families import FAMILIES, family_prompt
+from tiny_families import controlnet_prompt as controlled_prompt
 
 pytestmark = [pytest.mark.comfy_server,
               # ControlNetLoader detects the file as a Flux model; ComfyUI 0.3.75 fixes that at 24 heads.
@@ -29,20 +30,6 @@ def QUICK_TIER(test: str, params: dict) -> bool:
     """The default run (conftest.in_quick_tier): Ulysses 2 and Ulysses 2 x TP 2 (the ControlNet whole on
     each rank of a TP group); ``--full``: every layout."""
     return params.get("layout", "ulysses2") in ("ulysses2", "ulysses2_tp2")
-
-
-def controlled_prompt(parallel: dict | None, strength: float = 0.8) -> dict:
-    """The tiny Flux graph with the stock ControlNetLoader and ControlNetApplyAdvanced on both conditionings."""
-    prompt = family_prompt("flux", parallel)
-    latent = FAMILIES["flux"].latent["inputs"]
-    prompt["70"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": FLUX_CONTROLNET_FILE}}
-    prompt["71"] = {"class_type": "TinyPatternImage",
-                    "inputs": {"width": latent["width"], "height": latent["height"], "frames": 1, "seed": 4}}
-    prompt["72"] = {"class_type": "ControlNetApplyAdvanced", "inputs": {
-        "positive": ["4", 1], "negative": ["5", 0], "control_net": ["70", 0], "image": ["71", 0],
-        "strength": strength, "start_percent": 0.0, "end_percent": 1.0}}
-    prompt["7"]["inputs"].update(positive=["72", 0], negative=["72", 1])
-    return prompt
 
 
 _references: dict = {}

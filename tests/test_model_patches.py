@@ -15,7 +15,8 @@ import torch
 from comfy_server import PromptFailed
 from conftest import PACK  # the pack imported as ComfyUI imports it
 from test_comfy_families import final_latents, max_error
-from tiny_families import FAMILIES, _available, family_prompt
+from tiny_families import PATCH_CASES as CASES
+from tiny_families import FAMILIES, _available, family_prompt, latent_pixels, patched_prompt
 
 TOL = 1e-4
 LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "ring2": {"ring_size": 2}, "cfg2": {"cfg_size": 2},
@@ -32,42 +33,10 @@ def QUICK_TIER(test: str, params: dict) -> bool:
         return True
     return params["layout"] == "ulysses2" or params["family"] == ("qwen_image" if params["layout"] in ("tp2", "cfg2")
                                                                   else "z_image")
-WAN_VAE = {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}}
-# family -> (patch node, patch model kind, VAE node, control image frames)
-CASES = {
-    "qwen_image": ("QwenImageDiffsynthControlnet", "qwen_diffsynth", WAN_VAE, 1),
-    "z_image": ("ZImageFunControlnet", "z_image_fun_2_1", {"class_type": "TinyImageVAE", "inputs": {}}, 1),
-    "wan": ("WanUni3CControlnetApply", "wan_uni3c", WAN_VAE, 9),
-}
+
+
 # The module each patch model class lives in where it is not in every tested ComfyUI (0.3.75 has neither).
 NEEDS = {"z_image": "comfy.ldm.lumina.controlnet", "wan": "comfy.ldm.wan.uni3c"}
-
-
-def _latent_pixels(family: str) -> tuple[int, int]:
-    inputs = FAMILIES[family].latent["inputs"]
-    return inputs["width"], inputs["height"]
-
-
-def patched_prompt(family: str, parallel: dict | None, strength: float = 1.0, image_seed: int = 5,
-                   size: tuple[int, int] | None = None) -> dict:
-    """The family's tiny graph with its patch node between the loader and Shard Transformer."""
-    node, kind, vae, frames = CASES[family]
-    width, height = size or _latent_pixels(family)
-    prompt = family_prompt(family, parallel)
-    prompt["60"] = {"class_type": "TinyModelPatchLoader", "inputs": {"kind": kind, "seed": 3}}
-    prompt["61"] = vae
-    prompt["62"] = {"class_type": "TinyPatternImage",
-                    "inputs": {"width": width, "height": height, "frames": frames, "seed": image_seed}}
-    inputs = {"model": ["1", 0], "model_patch": ["60", 0], "vae": ["61", 0], "strength": strength}
-    if node == "WanUni3CControlnetApply":
-        inputs.update(render_video=["62", 0], start_percent=0.0, end_percent=1.0)
-    else:
-        inputs["image"] = ["62", 0]
-    prompt["63"] = {"class_type": node, "inputs": inputs}
-    prompt["3" if "3" in prompt else "7"]["inputs"]["model"] = ["63", 0]
-    return prompt
-
-
 _references: dict = {}
 
 
@@ -111,7 +80,7 @@ def test_a_changed_strength_reaches_every_rank(tiny_server):
 
 @pytest.mark.comfy_server
 def test_a_control_image_of_another_size_is_refused_with_the_size_to_use(tiny_server):
-    width, height = _latent_pixels("qwen_image")
+    width, height = latent_pixels("qwen_image")
     with pytest.raises(PromptFailed) as info:
         final_latents(tiny_server, patched_prompt("qwen_image", {"ulysses_size": 2}, size=(width + 16, height)))
     assert f"the latent needs {width}x{height}" in str(info.value)

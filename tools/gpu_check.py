@@ -21,6 +21,10 @@ and their cases):
 4. ``compile``: torch.compile against eager (issue 18): bench/run.py's compiled scenario, eager
    and compiled at one rank and at two ranks sharing the device, timed in turn, in a process of
    its own.
+5. ``features``: what came after the tiny cases, on the tiny families of tools/tiny_families.py
+   (with the tests' extension nodes): Block Cache on Wan under Ulysses 2 and TP 2 (the same steps
+   cached as unsharded), the stock Flux ControlNet (ComfyUI 0.33: 0.3.75 loads no narrow Flux
+   ControlNet) and Qwen-Image's DiffSynth model patch under Ulysses 2.
 
 Run by ``tools/gpu_check.sh`` (which picks the ComfyUI host: ``--host 0.3.75|0.33.0``). Each case
 prints one ``PASS`` / ``FAIL`` line with its figure, each part one ``SUMMARY | ... |`` line in the
@@ -57,6 +61,9 @@ from workflows import (edited, find_nodes, load, parallel_config_node, remove_pa
 
 WORKFLOW = REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json"
 GIB = 2**30
+# The tests' ComfyUI extensions the feature cases need: tiny files that state their own config, and the
+# nodes that load tiny patch models and make control images.
+EXTENSIONS = [REPO / "tests" / "comfy_extensions" / name for name in ("tiny_config_from_metadata", "tiny_model_patches")]
 # Issue 15's targets for the Flux.1-dev-sized model on 2 ranks.
 TARGETS = {"first_forward_s": 5.0, "rss_growth_gib": 1.0, "tp2_largest_weights": 0.55}
 
@@ -256,6 +263,72 @@ class Check:
                                                         f"workers kept: {same}",
                    figure=f"idle {idle:.1f} s after Cancel", data={"idle_s": round(idle, 1)})
 
+    # ------------------------------------------------------------ features since the tiny cases (part 5)
+    # The tiny families' files (tools/tiny_families.py) and the test extension's nodes; each against the
+    # same graph unsharded in the same server.
+    BLOCK_CACHE = dict(front_blocks=1, back_blocks=0, threshold=0.3, warmup_steps=2, max_cached_steps=3,
+                       taylor_order=0)  # tests/test_block_cache.py's Wan settings: 4 of 10 steps cached in fp32
+
+    def cached_run(self, prompt: dict):
+        """(final latent, the status route's Block Cache row of the prompt)."""
+        from safetensors.torch import load_file
+
+        prompt_id = self.server.queue(prompt)
+        entry = self.server.wait(prompt_id, timeout=600)
+        (path,) = self.server.outputs(entry, "latents")
+        rows = [r for r in self.status().get("block_cache", []) if r["prompt_id"] == prompt_id]
+        return load_file(str(path))["latent_tensor"], (rows[0] if rows else {})
+
+    def block_cache(self, case: str, **sizes) -> Row:
+        from tiny_families import cached_prompt
+
+        if not hasattr(self, "_cache_ref"):
+            self._cache_ref = (self.cached_run(cached_prompt("wan", None, None, 10))[0],
+                               *self.cached_run(cached_prompt("wan", None, self.BLOCK_CACHE, 10)))
+        plain, ref, ref_row = self._cache_ref
+        out, row = self.cached_run(cached_prompt("wan", self.parallel(**sizes), self.BLOCK_CACHE, 10))
+        counts = (row.get("computed"), row.get("cached"))
+        result = self.compare(case, out, ref, f"computed/cached {counts[0]}/{counts[1]}, unsharded "
+                                              f"{ref_row.get('computed')}/{ref_row.get('cached')}; the cache "
+                                              f"moves the result by {self.errors(ref, plain)[1]:.1e} (rel L2)",
+                              measures=row.get("measures"), reference_measures=ref_row.get("measures"))
+        result.ok = result.ok and counts == (ref_row.get("computed"), ref_row.get("cached")) and bool(ref_row.get("cached"))
+        return result
+
+    def case_block_cache_ulysses2(self):
+        return self.block_cache("Block Cache, Wan Ulysses 2", ulysses_size=2)
+
+    def case_block_cache_tp2(self):
+        return self.block_cache("Block Cache, Wan TP 2", tp_size=2)
+
+    def with_and_without(self, case: str, build, **sizes) -> Row:
+        """``build(parallel)``'s graph sharded against unsharded, and how much the feature moves it."""
+        ref = self.latent(build(None))
+        row = self.compare(case, self.latent(build(self.parallel(**sizes))), ref)
+        return row
+
+    def case_flux_controlnet_ulysses2(self):
+        from tiny_families import controlnet_prompt, family_prompt
+
+        row = self.with_and_without("Flux stock ControlNet, Ulysses 2", controlnet_prompt, ulysses_size=2)
+        moved = self.errors(self.latent(family_prompt("flux", None)), self.latent(controlnet_prompt(None)))[1]
+        row.note = f"the ControlNet moves the result by {moved:.1e} (rel L2)"
+        row.ok = row.ok and moved > 3 * self.rel_tol  # the feature matters beyond the tolerance
+        return row
+
+    def case_qwen_patch_ulysses2(self):
+        from tiny_families import family_prompt, patched_prompt
+
+        row = self.with_and_without("Qwen-Image DiffSynth patch, Ulysses 2",
+                                    lambda parallel: patched_prompt("qwen_image", parallel), ulysses_size=2)
+        moved = self.errors(self.latent(family_prompt("qwen_image", None)),
+                            self.latent(patched_prompt("qwen_image", None)))[1]
+        row.note = f"the patch moves the result by {moved:.1e} (rel L2)"
+        row.ok = row.ok and moved > 3 * self.rel_tol  # the feature matters beyond the tolerance
+        return row
+
+    FEATURE_CASES = ("block_cache_ulysses2", "block_cache_tp2", "flux_controlnet_ulysses2", "qwen_patch_ulysses2")
+
     TINY_CASES = ("ulysses2", "ring2", "cfg2", "tp2", "usp2x2", "tp_after_ulysses", "lora_change", "two_models",
                   "vae2", "text_encoder2", "killed_worker", "interrupt")
 
@@ -437,6 +510,8 @@ PARTS = (
          ("--disable-cuda-malloc",), Check.TINY_CASES),
     Part(3, "big", "Flux.1-dev-sized targets (Ulysses 2, TP 2)", 5, (), BIG_CASES),
     Part(4, "compile", "compiled against eager", 4, None, ("flux_ulysses2_compiled",)),
+    Part(5, "features", "Block Cache, the stock Flux ControlNet and a model patch (tiny families)", 2, (),
+         Check.FEATURE_CASES),
 )
 PART_LIMIT_S = 8 * 60  # each part must fit one 10-minute command of a lent GPU machine, with room
 
@@ -449,7 +524,7 @@ def part_by_key(key: str) -> Part:
 
 
 def parse_parts(spec: str) -> list[Part]:
-    """``all`` or a comma-separated list of part names or numbers, run in their order (1 to 4)."""
+    """``all`` or a comma-separated list of part names or numbers, run in their order (1 to 5)."""
     if spec.strip() == "all":
         return list(PARTS)
     chosen = {part_by_key(key).number for key in spec.split(",") if key.strip()}
@@ -654,16 +729,20 @@ def run_compile_part(part, scenario: str, out: Path, gpu: bool) -> list:
 
 def server_for(part, parts, servers: dict, comfyui: str, base: Path, out: Path, gpu: bool) -> "ComfyServer":
     """The ComfyUI server of a part's arguments, started (and the tiny files written) on first use."""
+    from tiny_families import write_family_files
     from tiny_models import DEMO_FILES, write_tiny_wan_files
 
     args = part.server_args
     if args not in servers:
-        if not servers and any(p.cases == Check.TINY_CASES for p in parts):
+        if not servers and any(p.cases in (Check.TINY_CASES, Check.FEATURE_CASES) for p in parts):
             write_tiny_wan_files(base, only=(*DEMO_FILES, "unet_4heads", "t5_base"))
+        if not servers and any(p.cases == Check.FEATURE_CASES for p in parts):
+            write_family_files(base)
         log_name = "comfyui" + "".join(a.replace("--", "_") for a in args) + ".log"
         env = {"PARALLEL_SHARE_DEVICE": "1"} if gpu else {}
         servers[args] = ComfyServer(comfyui, base, python=sys.executable, cpu=not gpu, env=env,
-                                    extra_args=args, log_path=out / log_name).start(timeout=300)
+                                    extra_args=args, log_path=out / log_name,
+                                    extra_custom_nodes=EXTENSIONS).start(timeout=300)
     return servers[args]
 
 

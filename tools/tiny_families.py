@@ -427,3 +427,67 @@ def family_prompt(family: str, parallel: dict | None) -> dict:
                                                         "sampler_name": "euler", "scheduler": "simple",
                                                         "denoise": spec.denoise, **spec.sampler_inputs}}
     return prompt
+
+
+# ---------------------------------------------------------------- graphs with a ControlNet, a model patch, Block Cache
+# Shared by the server tests (tests/test_controlnets.py, test_model_patches.py, test_block_cache.py) and
+# the GPU check (tools/gpu_check.py, part "features"). TinyPatternImage, TinyModelPatchLoader and
+# TinyImageVAE are the test extension's nodes (tests/comfy_extensions/tiny_model_patches).
+def controlnet_prompt(parallel: dict | None, strength: float = 0.8) -> dict:
+    """The tiny Flux graph with the stock ControlNetLoader and ControlNetApplyAdvanced on both conditionings."""
+    prompt = family_prompt("flux", parallel)
+    latent = FAMILIES["flux"].latent["inputs"]
+    prompt["70"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": FLUX_CONTROLNET_FILE}}
+    prompt["71"] = {"class_type": "TinyPatternImage",
+                    "inputs": {"width": latent["width"], "height": latent["height"], "frames": 1, "seed": 4}}
+    prompt["72"] = {"class_type": "ControlNetApplyAdvanced", "inputs": {
+        "positive": ["4", 1], "negative": ["5", 0], "control_net": ["70", 0], "image": ["71", 0],
+        "strength": strength, "start_percent": 0.0, "end_percent": 1.0}}
+    prompt["7"]["inputs"].update(positive=["72", 0], negative=["72", 1])
+    return prompt
+
+
+WAN_VAE = {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_wan21_vae.safetensors"}}
+# family -> (patch node, patch model kind, VAE node, control image frames)
+PATCH_CASES = {
+    "qwen_image": ("QwenImageDiffsynthControlnet", "qwen_diffsynth", WAN_VAE, 1),
+    "z_image": ("ZImageFunControlnet", "z_image_fun_2_1", {"class_type": "TinyImageVAE", "inputs": {}}, 1),
+    "wan": ("WanUni3CControlnetApply", "wan_uni3c", WAN_VAE, 9),
+}
+
+
+def latent_pixels(family: str) -> tuple[int, int]:
+    inputs = FAMILIES[family].latent["inputs"]
+    return inputs["width"], inputs["height"]
+
+
+def patched_prompt(family: str, parallel: dict | None, strength: float = 1.0, image_seed: int = 5,
+                   size: tuple[int, int] | None = None) -> dict:
+    """The family's tiny graph with its patch node between the loader and Shard Transformer."""
+    node, kind, vae, frames = PATCH_CASES[family]
+    width, height = size or latent_pixels(family)
+    prompt = family_prompt(family, parallel)
+    prompt["60"] = {"class_type": "TinyModelPatchLoader", "inputs": {"kind": kind, "seed": 3}}
+    prompt["61"] = vae
+    prompt["62"] = {"class_type": "TinyPatternImage",
+                    "inputs": {"width": width, "height": height, "frames": frames, "seed": image_seed}}
+    inputs = {"model": ["1", 0], "model_patch": ["60", 0], "vae": ["61", 0], "strength": strength}
+    if node == "WanUni3CControlnetApply":
+        inputs.update(render_video=["62", 0], start_percent=0.0, end_percent=1.0)
+    else:
+        inputs["image"] = ["62", 0]
+    prompt["63"] = {"class_type": node, "inputs": inputs}
+    prompt["3" if "3" in prompt else "7"]["inputs"]["model"] = ["63", 0]
+    return prompt
+
+
+def cached_prompt(family: str, parallel: dict | None, cache: dict | None, steps: int) -> dict:
+    """The family's tiny graph with ``steps`` steps and the Block Cache node (``cache``: its inputs)
+    after Shard Transformer (None: no cache)."""
+    prompt = family_prompt(family, parallel)
+    sampler = prompt["7"]["inputs"]
+    sampler["steps"] = steps
+    if cache is not None:
+        prompt["30"] = {"class_type": "HybridBlockCache", "inputs": {"model": sampler["model"], **cache}}
+        sampler["model"] = ["30", 0]
+    return prompt

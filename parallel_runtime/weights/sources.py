@@ -22,14 +22,25 @@ from . import packed
 # Per-process state ComfyUI puts on its layers when it loads a model: what a worker receives
 # is merged already, so this state must not travel with the structure.
 _LOWVRAM_ATTRS = ("weight_function", "bias_function")
+# What ComfyUI 0.33's dynamic VRAM (comfy-aimdo, NVIDIA only) puts on a model it loaded: the model's
+# virtual address ranges (``dynamic_vbars``), each layer's slice of one (``_v``: raw pointers in ctypes
+# arrays, which cannot be pickled), its device views and residency signature, pinning and prefetch
+# state. Valid in rank 0's process only. Such a layer keeps ``comfy_cast_weights``, so without them it
+# casts its weights per forward, as ComfyUI's classic loader runs a layer it did not fully load. Seen
+# on an H100 with the stock Flux ControlNet, which ComfyUI loads dynamically and has no non-dynamic
+# delegate (no ``cached_patcher_init``) to take instead (comfyui_glue/patcher.plain_clone).
+_DYNAMIC_VRAM_ATTRS = ("dynamic_vbars", "_v", "_v_weight", "_v_bias", "_v_signature", "_v_block", "_pin_state",
+                       "_prefetch")
 
 
 def worker_module_state(module: torch.nn.Module, state: dict) -> dict:
     """A layer's attributes as they travel to a worker: weights arrive merged, so the layer
-    casts as it would fully loaded (no per-forward patch functions, no lowvram flag)."""
-    if not any(k in state for k in (*_LOWVRAM_ATTRS, "prev_comfy_cast_weights", "comfy_patched_weights")):
+    casts as it would fully loaded (no per-forward patch functions, no lowvram flag, none of
+    dynamic VRAM's per-process state)."""
+    if not any(k in state for k in (*_LOWVRAM_ATTRS, *_DYNAMIC_VRAM_ATTRS, "prev_comfy_cast_weights",
+                                    "comfy_patched_weights")):
         return state
-    state = dict(state)
+    state = {k: v for k, v in state.items() if k not in _DYNAMIC_VRAM_ATTRS}
     for name in _LOWVRAM_ATTRS:
         if name in state:
             state[name] = []

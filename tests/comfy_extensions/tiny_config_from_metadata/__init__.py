@@ -56,10 +56,13 @@ def _file_metadata(path):
         return f.metadata()
 
 
-def load_clip(ckpt_paths, embedding_directory=None, clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION, model_options={}):
+def load_clip(ckpt_paths, embedding_directory=None, clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION, model_options={},
+              *more, **named):
+    """The stock loader with the files' stated config. ``more`` / ``named``: what a later ComfyUI
+    passes on (0.33's ``disable_dynamic``, which its non-dynamic delegate of a CLIP patcher sets)."""
     stated = [s for s in (_stated(_file_metadata(p), "text_encoder") for p in ckpt_paths) if s]
     if not stated:
-        return _stock_load_clip(ckpt_paths, embedding_directory, clip_type, model_options)
+        return _stock_load_clip(ckpt_paths, embedding_directory, clip_type, model_options, *more, **named)
     options = dict(model_options)
     for s in stated:
         options.update(s.get("model_options", {}))
@@ -67,7 +70,7 @@ def load_clip(ckpt_paths, embedding_directory=None, clip_type=comfy.sd.CLIPType.
     if len(ckpt_paths) == 1 and "te_model" in stated[0]:  # one-file loads detect the encoder from shapes
         comfy.sd.detect_te_model = lambda sd: comfy.sd.TEModel[stated[0]["te_model"]]
     try:
-        return _stock_load_clip(ckpt_paths, embedding_directory, clip_type, options)
+        return _stock_load_clip(ckpt_paths, embedding_directory, clip_type, options, *more, **named)
     finally:
         comfy.sd.detect_te_model = _stock_detect_te_model
 

@@ -87,6 +87,21 @@ RESIDUAL_LAYERS = (".output_proj.", ".after_proj.", "proj_out.")
 RESIDUAL_SCALE = 0.2
 
 
+def classic_twin(kind: str) -> torch.nn.Module:
+    """``kind`` built with ordinary parameters, to draw the weights from. Under ComfyUI 0.33's
+    dynamic VRAM (NVIDIA) its layers are built without weights until a state dict is loaded into
+    them, so they have no parameters to draw; the twin is built with that switch off."""
+    memory_management = sys.modules.get("comfy.memory_management")  # absent before 0.33
+    was = getattr(memory_management, "aimdo_enabled", False)
+    if memory_management is not None:
+        memory_management.aimdo_enabled = False
+    try:
+        return build_patch_model(kind, device="cpu")
+    finally:
+        if memory_management is not None:
+            memory_management.aimdo_enabled = was
+
+
 def seeded_state_dict(model: torch.nn.Module, seed: int) -> dict:
     """Weights drawn in the order of the sorted parameter names: norm weights 1, biases about 0
     (0.02 normal), matrices and convolutions normal of std 0.5 / sqrt(fan-in), the scale of
@@ -124,7 +139,7 @@ class TinyModelPatchLoader:
     def load_model_patch(self, kind, seed):
         # As ModelPatchLoader.load_model_patch: built on the offload device, wrapped, then loaded.
         model = build_patch_model(kind, device=comfy.model_management.unet_offload_device())
-        sd = seeded_state_dict(model, seed)
+        sd = seeded_state_dict(classic_twin(kind), seed)
         patcher_class = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)
         model_patcher = patcher_class(model, load_device=comfy.model_management.get_torch_device(),
                                       offload_device=comfy.model_management.unet_offload_device())
