@@ -141,6 +141,8 @@ def run_cache_scenario(scenario, device: str, threads: int, repeat: int | None) 
         r["max_abs_err_vs_world1"] = (outputs[r["where"], r["threshold"]][0]
                                       - outputs["world1", r["threshold"]][0]).abs().max().item()
     model_part = (outputs["world1", None][0] - noise.float().cpu()).abs().max().item()
+    dbcache = dbcache_rows(scenario, base, thresholds, steps, threads, rounds, outputs, fmt) \
+        if extra.get("dbcache_shape") is not None and device == "cpu" else None
     return {
         "scenario": scenario.name, "family": scenario.family, "mode": "cache",
         "mesh": {d: scenario.mesh.get(d, 1) for d in ("cfg", "ring", "ulysses", "tp")},
@@ -149,8 +151,49 @@ def run_cache_scenario(scenario, device: str, threads: int, repeat: int | None) 
         "cache_settings": base, "latent_format": extra["latent_format"],
         "denoised_max_abs": model_part,  # how far sampling moved the latent from its noise (the scale of the errors)
         "cache_variants": rows, "forwards_per_rank": [r["forwards"] for r in status["ranks"]],
+        "dbcache": dbcache,
         "notes": scenario.notes, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def dbcache_rows(scenario, base: dict, thresholds, steps: int, threads: int, rounds: int, outputs: dict,
+                 fmt) -> dict:
+    """cache-dit's DBCache beside Block Cache: the same Flux (converted to diffusers' model, as
+    ``--peers`` does), the same Fn / Bn / warm-up / cap and thresholds, sampled the same way at world
+    size 1 and with cache-dit's Ulysses on the scenario's world size, in processes of its own after
+    this scenario's runs. Per variant: times, cache-dit's cached count, PSNR and max abs of the preview
+    image against its own uncached twin, and its latent against this pack's at the same threshold."""
+    import peers
+
+    world = scenario.world_size
+    result = peers.run_dbcache(scenario.extra["dbcache_shape"], thresholds, steps, threads, rounds,
+                               fn=base["front_blocks"], bn=base["back_blocks"], warmup=base["warmup_steps"],
+                               max_continuous=base["max_cached_steps"], world=world)
+    if result.get("failure"):
+        return {"failure": result["failure"]}
+    rows = []
+    for where in ("world1", "mesh"):
+        variants = result[where]["variants"]
+        twin = variants[0]
+        twin_image = preview_decode(twin["latent"], fmt.latent_rgb_factors,
+                                    getattr(fmt, "latent_rgb_factors_bias", None))
+        for v in variants:
+            image = preview_decode(v["latent"], fmt.latent_rgb_factors, getattr(fmt, "latent_rgb_factors_bias", None))
+            ours = outputs[where, v["threshold"]][0]
+            rows.append({
+                "where": where, "world_size": 1 if where == "world1" else world, "threshold": v["threshold"],
+                "cached": v["threshold"] is not None, "cached_steps": v["cached_steps"],
+                "e2e_ms_median": v["e2e_ms_median"], "e2e_ms_all": v["e2e_ms_all"], "step_ms_median": v["step_ms_median"],
+                "speedup_vs_uncached": round(twin["e2e_ms_median"] / v["e2e_ms_median"], 3),
+                "latent_max_abs_err": (v["latent"] - twin["latent"]).abs().max().item(),
+                "image_max_abs_err": (image - twin_image).abs().max().item(),
+                "image_psnr_db": None if v["threshold"] is None else round(psnr(image, twin_image), 2),
+                # the same network in both systems: uncached, the latents agree to rounding; cached, they
+                # differ where the two take different decisions
+                "latent_max_abs_vs_pack": (v["latent"] - ours).abs().max().item(),
+            })
+    return {"system": f"cache-dit {result['cache_dit']}", "conversion_max_abs_err": result["conversion_max_abs_err"],
+            "variants": rows}
 
 
 def cache_table(records: list[dict]) -> str:
@@ -170,3 +213,30 @@ def cache_table(records: list[dict]) -> str:
                 f"{r['speedup_vs_uncached']:.2f}x | {r['speedup_vs_world1_uncached']:.2f}x | {psnr_cell} | "
                 f"{r['image_max_abs_err']:.1e} | {r['latent_max_abs_err']:.1e} | {r['max_abs_err_vs_world1']:.1e} |")
     return "\n".join(rows)
+
+
+def dbcache_table(records: list[dict]) -> str:
+    """Markdown: Block Cache and cache-dit's DBCache side by side, per model, layout and threshold (the
+    records that ran the comparison)."""
+    head = ("| scenario | layout | threshold | Block Cache: cached, end to end ms, vs uncached, PSNR | "
+            "DBCache: cached, end to end ms, vs uncached, PSNR | DBCache over Block Cache (end to end) | "
+            "latents apart (max abs) |")
+    rows = [head, "|" + "---|" * 7]
+    for rec in records:
+        theirs = rec.get("dbcache") or {}
+        if not theirs.get("variants"):
+            continue
+        ours = {(r["where"], r["threshold"]): r for r in rec["cache_variants"]}
+        for t in theirs["variants"]:
+            r = ours[t["where"], t["threshold"]]
+            layout = "unsharded" if t["where"] == "world1" else " x ".join(
+                f"{k} {v}" for k, v in rec["mesh"].items() if v > 1)
+
+            def cell(x):
+                psnr_text = "-" if x["image_psnr_db"] is None else f"{x['image_psnr_db']:.1f} dB"
+                return (f"{x['cached_steps']}/{rec['steps']}, {x['e2e_ms_median']:.0f}, "
+                        f"{x['speedup_vs_uncached']:.2f}x, {psnr_text}")
+            rows.append(f"| {rec['scenario']} | {layout} | {t['threshold'] if t['cached'] else 'no cache'} | "
+                        f"{cell(r)} | {cell(t)} | {t['e2e_ms_median'] / r['e2e_ms_median']:.2f}x | "
+                        f"{t['latent_max_abs_vs_pack']:.1e} |")
+    return "\n".join(rows) if len(rows) > 2 else ""

@@ -92,6 +92,76 @@ def parallelize_diffusers(model, world: int):
 PARALLELIZE = {"cachedit": parallelize_cachedit, "diffusers": parallelize_diffusers}
 
 
+def sample_dbcache(opts) -> dict:
+    """cache-dit's DBCache sampled end to end, the way ``cache_bench.py`` samples Block Cache: a
+    flow-matching Euler loop of ``--sample-steps`` steps from the case's noise, uncached and at each of
+    ``--thresholds``, the variants taking turns for ``--repeat`` rounds. Each variant gets a fresh model
+    (cache-dit's hooks stay on a module once applied) with cache-dit's Ulysses at world size > 1.
+    Rank 0 saves each variant's final tokens (``--out`` with ``.<variant>.pt``) and returns each
+    variant's end-to-end and per-step times and cache-dit's own count of cached steps."""
+    import cache_dit
+    from cache_dit import DBCacheConfig, ParallelismConfig
+    from diffusers import FluxTransformer2DModel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(opts.threads)
+    case = torch.load(opts.case, map_location="cpu")
+    inputs, steps = case["inputs"], opts.sample_steps
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    thresholds = [None] + [float(t) for t in opts.thresholds.split(",") if t]
+
+    def build(threshold):
+        model = FluxTransformer2DModel(**case["config"]).eval()
+        model.load_state_dict(case["state_dict"], strict=True)
+        model.set_attention_backend("native")
+        cache = None if threshold is None else DBCacheConfig(
+            Fn_compute_blocks=opts.fn, Bn_compute_blocks=opts.bn, residual_diff_threshold=threshold,
+            max_warmup_steps=opts.warmup, max_continuous_cached_steps=opts.max_continuous,
+            num_inference_steps=steps)
+        # In place, cache first, then parallelism (cache-dit's order), in two calls: given both at once for
+        # a transformer alone, 1.5.3 goes on with the list of block lists the cache step returns.
+        if cache is not None:
+            cache_dit.enable_cache(model, cache_config=cache)
+        if world > 1:
+            cache_dit.enable_cache(model, parallelism_config=ParallelismConfig(ulysses_size=world))
+        return model
+
+    models = {t: build(t) for t in thresholds}
+    times = {t: {"e2e": [], "steps": []} for t in thresholds}
+    finals, cached = {}, {}
+    with torch.inference_mode():
+        for _ in range(opts.repeat):
+            for t in thresholds:
+                model = models[t]
+                if world > 1:
+                    dist.barrier()
+                started = time.perf_counter()
+                x = inputs["hidden_states"].clone()
+                for i in range(steps):
+                    step_started = time.perf_counter()
+                    timestep = torch.full((x.shape[0],), float(sigmas[i]))
+                    out = model(**{**inputs, "hidden_states": x, "timestep": timestep}, return_dict=False)[0]
+                    x = x + (sigmas[i + 1] - sigmas[i]) * out
+                    times[t]["steps"].append((time.perf_counter() - step_started) * 1e3)
+                times[t]["e2e"].append((time.perf_counter() - started) * 1e3)
+                finals[t] = x
+                if t is not None:
+                    stats = cache_dit.summary(model, logging=False)
+                    cached[t] = max((len(s.cached_steps) for s in stats if s.cached_steps), default=0)
+    variants = []
+    for t in thresholds:
+        name = "uncached" if t is None else f"t{t}"
+        if int(os.environ.get("RANK", "0")) == 0:
+            torch.save(finals[t], f"{opts.out}.{name}.pt")
+        variants.append({"threshold": t, "file": f"{opts.out}.{name}.pt",
+                         "e2e_ms_all": [round(v, 1) for v in times[t]["e2e"]],
+                         "e2e_ms_median": round(statistics.median(times[t]["e2e"]), 1),
+                         "step_ms_median": round(statistics.median(times[t]["steps"]), 1),
+                         "cached_steps": cached.get(t, 0)})
+    return {"peer": opts.peer, "world_size": world, "threads": opts.threads, "steps": steps, "rounds": opts.repeat,
+            "cache_dit": cache_dit.__version__, "variants": variants, "failure": None}
+
+
 def run(opts) -> dict:
     from diffusers import FluxTransformer2DModel
 
@@ -163,6 +233,13 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="rank 0 writes its JSON result here")
     parser.add_argument("--save-output", help="rank 0 saves the output tensor here")
     parser.add_argument("--reference", help="output tensor to compare against (max abs difference)")
+    parser.add_argument("--sample-steps", type=int, default=0,
+                        help="sample end to end with cache-dit's DBCache instead of timing one forward")
+    parser.add_argument("--thresholds", default="", help="DBCache residual-diff thresholds, comma-separated")
+    parser.add_argument("--fn", type=int, default=1, help="DBCache Fn_compute_blocks")
+    parser.add_argument("--bn", type=int, default=0, help="DBCache Bn_compute_blocks")
+    parser.add_argument("--warmup", type=int, default=2, help="DBCache max_warmup_steps")
+    parser.add_argument("--max-continuous", type=int, default=3, help="DBCache max_continuous_cached_steps")
     opts = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -170,7 +247,7 @@ def main() -> int:
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = run(opts)
+        result = sample_dbcache(opts) if opts.sample_steps else run(opts)
         code = 0
     except Exception as exc:  # noqa: BLE001 - the caller reports the text
         traceback.print_exc()

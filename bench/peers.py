@@ -135,15 +135,16 @@ def diffusers_inputs(x, t, context, y, guidance, axes: int = 3) -> dict:
     }
 
 
-def prepare_case(path: Path, seed: int = 0) -> dict:
-    """Build the scenario's model, convert it, check the conversion, save what workers need.
+def prepare_case(path: Path, seed: int = 0, shape=None) -> dict:
+    """Build the scenario's model (``shape``: the Flux shape, ``scenarios.FLUX`` by default), convert
+    it, check the conversion, save what workers need.
 
     Returns the conversion error and the model's parameter bytes, with ``failure`` set (and
     nothing saved) when the two models disagree.
     """
     from diffusers import FluxTransformer2DModel
 
-    shape = scenarios.FLUX
+    shape = shape or scenarios.FLUX
     comfy_model, (x, t, context), kwargs = scenarios.build_flux(shape, seed=seed, batch=1, device="cpu")
     config = diffusers_config(shape)
     model = FluxTransformer2DModel(**config).eval()
@@ -174,7 +175,7 @@ def _free_port() -> int:
 
 
 def _launch(peer: str, world: int, case: Path, threads: int, repeat: int, out: Path,
-            save_output: Path | None = None, reference: Path | None = None) -> dict:
+            save_output: Path | None = None, reference: Path | None = None, extra=()) -> dict:
     """Run ``peer_worker.py`` on ``world`` ranks; its rank-0 JSON, or ``{"failure": text}``."""
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--nnodes", "1",
@@ -185,6 +186,7 @@ def _launch(peer: str, world: int, case: Path, threads: int, repeat: int, out: P
         cmd += ["--save-output", str(save_output)]
     if reference:
         cmd += ["--reference", str(reference)]
+    cmd += list(extra)
     env = dict(os.environ)
     # torchrun would otherwise pin every rank to one thread; gloo stays on loopback.
     env.update({"OMP_NUM_THREADS": str(threads), "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
@@ -287,3 +289,34 @@ def run_peers(threads_per_rank: int, repeat: int, peers=tuple(PEERS)) -> list[di
                       file=sys.stderr, flush=True)
             records.append(record)
         return records
+
+
+# --- cache-dit's DBCache beside Block Cache (bench/cache_bench.py) -------------------------------
+
+def run_dbcache(shape, thresholds, steps: int, threads: int, rounds: int, fn: int, bn: int, warmup: int,
+                max_continuous: int, world: int = WORLD_SIZE) -> dict:
+    """cache-dit's DBCache on the same Flux (``shape``, seed 0: the weights and inputs of the cache
+    scenario) with the same Fn / Bn / warm-up / cap, sampled end to end at world size 1 and ``world``
+    (cache-dit's Ulysses). ``{"world1": ..., "mesh": ...}``: per variant (uncached, each threshold) the
+    worker's times and cached count and ``latent``, its final latent (B, 16, H, W); or ``failure``."""
+    extra = ["--sample-steps", str(steps), "--thresholds", ",".join(str(t) for t in thresholds), "--fn", str(fn),
+             "--bn", str(bn), "--warmup", str(warmup), "--max-continuous", str(max_continuous)]
+    with tempfile.TemporaryDirectory(prefix="dbcache_") as tmp:
+        tmp = Path(tmp)
+        case_path = tmp / "case.pt"
+        try:
+            case = prepare_case(case_path, shape=shape)
+        except Exception as exc:  # noqa: BLE001 - a record that says why beats a crashed suite
+            case = {"failure": f"conversion: {type(exc).__name__}: {exc}"}
+        if case.get("failure"):
+            return {"failure": case["failure"]}
+        side = shape.image_side
+        out = {"conversion_max_abs_err": case["conversion_max_abs_err"], "cache_dit": _version("cache-dit")}
+        for where, size in (("world1", 1), ("mesh", world)):
+            result = _launch("cachedit", size, case_path, threads, rounds, tmp / f"dbcache_{size}.json", extra=extra)
+            if result.get("failure"):
+                return {"failure": result["failure"]}
+            for variant in result["variants"]:
+                variant["latent"] = unpack_latents(torch.load(variant.pop("file")), side, side).float()
+            out[where] = result
+        return out

@@ -161,10 +161,14 @@ def plot_cache(records: list[dict], out_dir: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from cache_bench import cache_table
+    from cache_bench import cache_table, dbcache_table
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cache.md").write_text(cache_table(records) + "\n")
+    beside = dbcache_table(records)
+    (out_dir / "cache.md").write_text(cache_table(records) + "\n" + (
+        "\nBlock Cache beside cache-dit's DBCache (same Flux, weights, noise, Fn / Bn / warm-up / cap and "
+        "threshold; each against its own uncached run; cache-dit in processes of its own, in the same "
+        "benchmark run):\n\n" + beside + "\n" if beside else ""))
     fig, axes = plt.subplots(1, len(records), figsize=(5.5 * len(records), 4), squeeze=False)
     for ax, rec in zip(axes[0], records):
         rows = rec["cache_variants"]

@@ -280,7 +280,8 @@ WAN_CACHE = WanShape(layers=4, frames=3, side=32, text_tokens=64)
 SCENARIOS += [
     Scenario("flux_cache_ulysses2", "flux", "cache", {"ulysses": 2}, flux(FLUX_CACHE), FLUX_CACHE.tokens,
              suites=("cache",), repeat=3,
-             extra={"cache": True, "steps": 12, "thresholds": (0.39, 0.42, 0.6), "latent_format": "Flux"},
+             extra={"cache": True, "steps": 12, "thresholds": (0.39, 0.42, 0.6), "latent_format": "Flux",
+                    "dbcache_shape": FLUX_CACHE},  # beside cache-dit's DBCache on the same network (CPU)
              notes="2 double + 4 single blocks; Block Cache Fn 1, Bn 0, warm-up 2, at most 3 cached in a row"),
     Scenario("wan_cache_ulysses2", "wan", "cache", {"ulysses": 2}, wan(WAN_CACHE), WAN_CACHE.tokens,
              suites=("cache",), repeat=3,

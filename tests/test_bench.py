@@ -96,6 +96,68 @@ def test_cache_table_and_psnr():
     assert rgb.shape == (1, 3, 2, 4, 4) and torch.all(rgb == 0.5)
 
 
+def test_dbcache_table_sets_cache_dit_beside_block_cache():
+    """bench/cache_bench.py's comparison table: one row per layout and threshold that cache-dit ran, each
+    system against its own uncached run, DBCache's end to end over Block Cache's; records without the
+    comparison give no table."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import cache_bench
+
+    def row(where, threshold, e2e, cached, psnr, **more):
+        return dict(where=where, threshold=threshold, cached=threshold is not None, e2e_ms_median=e2e,
+                    cached_steps=cached, image_psnr_db=psnr, speedup_vs_uncached=more.pop("speedup"), **more)
+
+    ours = [row("world1", None, 1000.0, 0, None, speedup=1.0), row("world1", 0.4, 500.0, 6, 60.0, speedup=2.0),
+            row("mesh", None, 600.0, 0, None, speedup=1.0), row("mesh", 0.4, 300.0, 6, 60.0, speedup=2.0)]
+    theirs = [row("world1", None, 1100.0, 0, None, speedup=1.0, latent_max_abs_vs_pack=1e-6),
+              row("world1", 0.4, 660.0, 5, 55.25, speedup=1.667, latent_max_abs_vs_pack=2e-2),
+              row("mesh", None, 700.0, 0, None, speedup=1.0, latent_max_abs_vs_pack=1e-6),
+              row("mesh", 0.4, 420.0, 5, 55.25, speedup=1.667, latent_max_abs_vs_pack=2e-2)]
+    record = {"scenario": "flux_cache_ulysses2", "mesh": {"cfg": 1, "ring": 1, "ulysses": 2, "tp": 1}, "steps": 12,
+              "cache_variants": ours, "dbcache": {"system": "cache-dit 1.5.3", "variants": theirs}}
+    lines = cache_bench.dbcache_table([record]).splitlines()
+    assert len(lines) == 2 + 4
+    assert lines[5] == ("| flux_cache_ulysses2 | ulysses 2 | 0.4 | 6/12, 300, 2.00x, 60.0 dB | "
+                        "5/12, 420, 1.67x, 55.2 dB | 1.40x | 2.0e-02 |")
+    assert "| unsharded | no cache | 0/12, 1000, 1.00x, - | 0/12, 1100, 1.00x, - | 1.10x | 1.0e-06 |" in lines[2]
+    assert cache_bench.dbcache_table([{**record, "dbcache": None}]) == ""
+    assert cache_bench.dbcache_table([{**record, "dbcache": {"failure": "cache-dit is not installed"}}]) == ""
+
+
+def test_cache_dits_uncached_sampling_is_the_benchmarks_sampling():
+    """bench/peers.run_dbcache (cache-dit in processes of its own, the benchmark's DBCache comparison):
+    uncached at world size 1 and under cache-dit's Ulysses 2 it samples what the Block Cache benchmark
+    samples unsharded, the same Euler loop on the same network, here on the smallest Flux; with a
+    threshold it caches steps and moves the result. Needs cache-dit (bench/setup_peers.sh)."""
+    import importlib.util
+
+    import pytest
+    import torch
+
+    if importlib.util.find_spec("cache_dit") is None or importlib.util.find_spec("diffusers") is None:
+        pytest.skip("cache-dit and diffusers are the peers' packages: bash bench/setup_peers.sh installs them")
+    sys.path.insert(0, str(REPO / "bench"))
+    import peers
+    import scenarios
+
+    steps, shape = 6, scenarios.FLUX_SMOKE
+    result = peers.run_dbcache(shape, (0.3,), steps, threads=1, rounds=1, fn=1, bn=0, warmup=2, max_continuous=3)
+    assert not result.get("failure"), result.get("failure")
+    model, (x, _, context), kwargs = scenarios.build_flux(shape, seed=0, batch=1, device="cpu")
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    with torch.inference_mode():
+        for i in range(steps):
+            t = torch.full((x.shape[0],), float(sigmas[i]))
+            x = x + (sigmas[i + 1] - sigmas[i]) * model._forward(x, t, context, **kwargs, transformer_options={})
+    for where in ("world1", "mesh"):
+        uncached, cached = result[where]["variants"]
+        err = (uncached["latent"] - x).abs().max().item()
+        print(f"\ncache-dit {where}: uncached max abs {err:.1e} against ComfyUI's Flux; cached "
+              f"{cached['cached_steps']}/{steps}, moved by {(cached['latent'] - x).abs().max().item():.1e}")
+        assert err <= 1e-4 * max(1.0, x.abs().max().item())
+        assert cached["cached_steps"] > 0 and (cached["latent"] - uncached["latent"]).abs().max().item() > 1e-5
+
+
 def test_controlnet_table():
     """bench/controlnet_bench.py: one row per record, each way's step as ControlNet + transformer, the speedup
     of 3 over 2."""
