@@ -304,7 +304,7 @@ SUITE_RUNNERS = {"auto": ("auto_bench", "run_auto_scenario", _report_auto),
                  "controlnet": ("controlnet_bench", "run_controlnet_scenario", _report_controlnet)}
 
 
-def main() -> int:
+def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", default="quick",
                         choices=["smoke", "quick", "full", "vae", "memory", "gguf", "compile", "auto", "weighted",
@@ -320,8 +320,25 @@ def main() -> int:
                         help="run the scenarios (and peers) this many times in turn, so that a shared machine's "
                              "load falls on all of them alike; records carry their round")
     parser.add_argument("--plots", help="directory for PNG plots of the records in --out")
-    opts = parser.parse_args()
+    return parser.parse_args()
 
+
+def run_one(scenario, opts) -> tuple[dict, list[str]]:
+    """The scenario's record and the lines that report it."""
+    special = next((key for key in SUITE_RUNNERS if scenario.extra.get(key)), None)
+    if special is not None:  # a suite with its own runner, imported only when it runs
+        module, function, report = SUITE_RUNNERS[special]
+        record = getattr(importlib.import_module(module), function)(scenario, opts.device, opts.threads_per_rank,
+                                                                     opts.repeat)
+        return record, report(record)
+    run = run_compiled_scenario if scenario.extra.get("compile") else run_scenario
+    record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+    return record, [f"{record['step_ms_median']:.1f} ms vs {record['world1_ms_median']:.1f} ms on one rank: "
+                    f"{record['speedup_vs_world1']:.2f}x, err {record['max_abs_err']:.1e}"]
+
+
+def main() -> int:
+    opts = parse_arguments()
     _import_comfy(opts.device)
     from scenarios import select
 
@@ -340,20 +357,10 @@ def main() -> int:
         for scenario in select(opts.suite, opts.scenario):
             print(f"[bench] {scenario.name}: {scenario.mode} {scenario.mesh} on {opts.device}, {scenario.tokens} tokens",
                   file=sys.stderr, flush=True)
-            special = next((key for key in SUITE_RUNNERS if scenario.extra.get(key)), None)
-            if special is not None:  # a suite with its own runner, imported only when it runs
-                module, function, report = SUITE_RUNNERS[special]
-                runner = getattr(importlib.import_module(module), function)
-                record = runner(scenario, opts.device, opts.threads_per_rank, opts.repeat)
-                write(record, round_)
-                for line in report(record):
-                    print(f"[bench]   {line}", file=sys.stderr, flush=True)
-                continue
-            run = run_compiled_scenario if scenario.extra.get("compile") else run_scenario
-            record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat)
+            record, lines = run_one(scenario, opts)
             write(record, round_)
-            print(f"[bench]   {record['step_ms_median']:.1f} ms vs {record['world1_ms_median']:.1f} ms on one rank: "
-                  f"{record['speedup_vs_world1']:.2f}x, err {record['max_abs_err']:.1e}", file=sys.stderr, flush=True)
+            for line in lines:
+                print(f"[bench]   {line}", file=sys.stderr, flush=True)
         if opts.peers:
             from peers import run_peers
 
