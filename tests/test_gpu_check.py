@@ -48,7 +48,7 @@ def listed_parts() -> dict[str, tuple[str, ...]]:
 
 def test_every_part_and_case_is_known():
     parts = listed_parts()
-    assert list(parts) == ["tiny", "tiny-no-cuda-malloc", "big", "compile", "features"]
+    assert list(parts) == ["tiny", "tiny-no-cuda-malloc", "big", "features", "compile"]
     assert parts["tiny"] == parts["tiny-no-cuda-malloc"] == TINY_CASES  # issue 29's twelve, on both allocators
     assert parts["big"] == ("ulysses2", "tp2") and parts["compile"] == ("flux_ulysses2_compiled",)
     assert set(SUBSET) | {"compile"} == set(parts)  # the CPU run below covers every part
@@ -70,7 +70,7 @@ def test_every_part_and_case_is_known():
     # The wrapper: --list needs no ComfyUI, an unknown host is refused before anything is set up.
     shell = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--list"], capture_output=True, text=True,
                            timeout=60)
-    assert shell.returncode == 0 and "part 4 compile" in shell.stdout, shell.stderr
+    assert shell.returncode == 0 and "part 5 compile" in shell.stdout, shell.stderr
     shell = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--host", "0.1", "--part", "1"],
                            capture_output=True, text=True, timeout=60)
     assert shell.returncode == 2 and "--host must be 0.3.75 or 0.33.0" in shell.stderr
@@ -91,7 +91,7 @@ def test_every_gpu_check_part_passes_on_cpu_ranks(tmp_path, comfyui_path):
     rows = report["rows"]
     print(f"\nGPU check on CPU ranks: {len(rows)} cases in {report['seconds']} s")
     assert all(r["ok"] for r in rows)
-    assert [p["part"] for p in report["parts"]] == ["tiny", "tiny-no-cuda-malloc", "big", "compile", "features"]
+    assert [p["part"] for p in report["parts"]] == ["tiny", "tiny-no-cuda-malloc", "big", "features", "compile"]
     by_part = {p: [r for r in rows if r["part"] == p] for p in subset}
     assert {p: len(rs) for p, rs in by_part.items()} == {p: len(c) for p, c in subset.items()}
     assert by_part["tiny"][-1]["case"] == "killed worker, then the next prompt"
@@ -115,7 +115,7 @@ def test_every_gpu_check_part_passes_on_cpu_ranks(tmp_path, comfyui_path):
         assert f"ComfyUI {report['host']}, " in row
     version = re.search(r'__version__ = "(.*)"', (Path(comfyui_path) / "comfyui_version.py").read_text())[1]
     assert report["host"] == version
-    assert [p["comfyui_args"] for p in report["parts"]] == [[], ["--disable-cuda-malloc"], [], None, []]
+    assert [p["comfyui_args"] for p in report["parts"]] == [[], ["--disable-cuda-malloc"], [], [], None]
     # from ComfyUI's "Device:" log line
     assert all(p["allocator"] == "cpu" for p in report["parts"] if p["comfyui_args"] is not None)
     assert [r["case"] for r in by_part["features"]][0] == "Block Cache, Wan TP 2"

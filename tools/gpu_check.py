@@ -18,13 +18,13 @@ and their cases):
 3. ``big``: a Flux.1-dev-sized model (11.9B parameters, bf16, 4096 image + 512 text tokens): the
    first sharded forward, rank 0's host memory growth and each rank's weights and GPU memory, for
    Ulysses 2 and TP 2, against issue 15's targets.
-4. ``compile``: torch.compile against eager (issue 18): bench/run.py's compiled scenario, eager
-   and compiled at one rank and at two ranks sharing the device, timed in turn, in a process of
-   its own.
-5. ``features``: what came after the tiny cases, on the tiny families of tools/tiny_families.py
+4. ``features``: what came after the tiny cases, on the tiny families of tools/tiny_families.py
    (with the tests' extension nodes): Block Cache on Wan under Ulysses 2 and TP 2 (the same steps
    cached as unsharded), the stock Flux ControlNet (ComfyUI 0.33: 0.3.75 loads no narrow Flux
    ControlNet) and Qwen-Image's DiffSynth model patch under Ulysses 2.
+5. ``compile``: torch.compile against eager (issue 18): bench/run.py's compiled scenario, eager
+   and compiled at one rank and at two ranks sharing the device, timed in turn, in a process of
+   its own.
 
 Run by ``tools/gpu_check.sh`` (which picks the ComfyUI host: ``--host 0.3.75|0.33.0``). Each case
 prints one ``PASS`` / ``FAIL`` line with its figure, each part one ``SUMMARY | ... |`` line in the
@@ -263,7 +263,7 @@ class Check:
                                                         f"workers kept: {same}",
                    figure=f"idle {idle:.1f} s after Cancel", data={"idle_s": round(idle, 1)})
 
-    # ------------------------------------------------------------ features since the tiny cases (part 5)
+    # ------------------------------------------------------------ features since the tiny cases (part 4)
     # The tiny families' files (tools/tiny_families.py) and the test extension's nodes; each against the
     # same graph unsharded in the same server.
     BLOCK_CACHE = dict(front_blocks=1, back_blocks=0, threshold=0.3, warmup_steps=2, max_cached_steps=3,
@@ -509,9 +509,9 @@ PARTS = (
     Part(2, "tiny-no-cuda-malloc", "tiny cases, ComfyUI started with --disable-cuda-malloc", 4,
          ("--disable-cuda-malloc",), Check.TINY_CASES),
     Part(3, "big", "Flux.1-dev-sized targets (Ulysses 2, TP 2)", 5, (), BIG_CASES),
-    Part(4, "compile", "compiled against eager", 4, None, ("flux_ulysses2_compiled",)),
-    Part(5, "features", "Block Cache, the stock Flux ControlNet and a model patch (tiny families)", 2, (),
+    Part(4, "features", "Block Cache, the stock Flux ControlNet and a model patch (tiny families)", 2, (),
          Check.FEATURE_CASES),
+    Part(5, "compile", "compiled against eager", 4, None, ("flux_ulysses2_compiled",)),
 )
 PART_LIMIT_S = 8 * 60  # each part must fit one 10-minute command of a lent GPU machine, with room
 

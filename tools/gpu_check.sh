@@ -3,7 +3,7 @@
 # PARALLEL_SHARE_DEVICE=1), in parts that each take under 8 minutes on an H100 (one command of a
 # lent GPU machine): tools/gpu_check.py says what, docs/gpu_check.md how.
 #
-#   bash tools/gpu_check.sh [--host 0.3.75|0.33.0] --part tiny|tiny-no-cuda-malloc|big|compile|features|1-5|all [...]
+#   bash tools/gpu_check.sh [--host 0.3.75|0.33.0] --part tiny|tiny-no-cuda-malloc|big|features|compile|1-5|all [...]
 #   bash tools/gpu_check.sh --list
 #
 # Which ComfyUI: COMFYUI_PATH (with HOST_PYTHON or python3) if set; else the bundle in .gpu/ that
