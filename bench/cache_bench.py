@@ -219,7 +219,7 @@ def dbcache_table(records: list[dict]) -> str:
     """Markdown: Block Cache and cache-dit's DBCache side by side, per model, layout and threshold (the
     records that ran the comparison)."""
     head = ("| scenario | layout | threshold | Block Cache: cached, end to end ms, vs uncached, PSNR | "
-            "DBCache: cached, end to end ms, vs uncached, PSNR | DBCache over Block Cache (end to end) | "
+            "DBCache: cached, end to end ms, vs uncached, PSNR | DBCache's end to end / Block Cache's | "
             "latents apart (max abs) |")
     rows = [head, "|" + "---|" * 7]
     for rec in records:

@@ -133,6 +133,8 @@ def sample_dbcache(opts) -> dict:
         for _ in range(opts.repeat):
             for t in thresholds:
                 model = models[t]
+                if t is not None:  # a fresh cache context for each sampling run, as a pipeline call starts one
+                    cache_dit.refresh_context(model, num_inference_steps=steps)
                 if world > 1:
                     dist.barrier()
                 started = time.perf_counter()
@@ -145,9 +147,10 @@ def sample_dbcache(opts) -> dict:
                     times[t]["steps"].append((time.perf_counter() - step_started) * 1e3)
                 times[t]["e2e"].append((time.perf_counter() - started) * 1e3)
                 finals[t] = x
-                if t is not None:
+                if t is not None:  # this run's count (each round the same: the context starts afresh)
                     stats = cache_dit.summary(model, logging=False)
-                    cached[t] = max((len(s.cached_steps) for s in stats if s.cached_steps), default=0)
+                    cached.setdefault(t, []).append(max((len(s.cached_steps) for s in stats if s.cached_steps),
+                                                        default=0))
     variants = []
     for t in thresholds:
         name = "uncached" if t is None else f"t{t}"
@@ -157,7 +160,8 @@ def sample_dbcache(opts) -> dict:
                          "e2e_ms_all": [round(v, 1) for v in times[t]["e2e"]],
                          "e2e_ms_median": round(statistics.median(times[t]["e2e"]), 1),
                          "step_ms_median": round(statistics.median(times[t]["steps"]), 1),
-                         "cached_steps": cached.get(t, 0)})
+                         "cached_steps": cached[t][-1] if t is not None else 0,
+                         "cached_steps_per_round": cached.get(t, [])})
     return {"peer": opts.peer, "world_size": world, "threads": opts.threads, "steps": steps, "rounds": opts.repeat,
             "cache_dit": cache_dit.__version__, "variants": variants, "failure": None}
 

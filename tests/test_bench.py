@@ -128,7 +128,7 @@ def test_cache_dits_uncached_sampling_is_the_benchmarks_sampling():
     """bench/peers.run_dbcache (cache-dit in processes of its own, the benchmark's DBCache comparison):
     uncached at world size 1 and under cache-dit's Ulysses 2 it samples what the Block Cache benchmark
     samples unsharded, the same Euler loop on the same network, here on the smallest Flux; with a
-    threshold it caches steps and moves the result. Needs cache-dit (bench/setup_peers.sh)."""
+    threshold it caches steps and moves the result, the same steps in every round. Needs cache-dit (bench/setup_peers.sh)."""
     import importlib.util
 
     import pytest
@@ -141,7 +141,7 @@ def test_cache_dits_uncached_sampling_is_the_benchmarks_sampling():
     import scenarios
 
     steps, shape = 6, scenarios.FLUX_SMOKE
-    result = peers.run_dbcache(shape, (0.3,), steps, threads=1, rounds=1, fn=1, bn=0, warmup=2, max_continuous=3)
+    result = peers.run_dbcache(shape, (0.3,), steps, threads=1, rounds=2, fn=1, bn=0, warmup=2, max_continuous=3)
     assert not result.get("failure"), result.get("failure")
     model, (x, _, context), kwargs = scenarios.build_flux(shape, seed=0, batch=1, device="cpu")
     sigmas = torch.linspace(1.0, 0.0, steps + 1)
@@ -156,6 +156,8 @@ def test_cache_dits_uncached_sampling_is_the_benchmarks_sampling():
               f"{cached['cached_steps']}/{steps}, moved by {(cached['latent'] - x).abs().max().item():.1e}")
         assert err <= 1e-4 * max(1.0, x.abs().max().item())
         assert cached["cached_steps"] > 0 and (cached["latent"] - uncached["latent"]).abs().max().item() > 1e-5
+        # every round starts a fresh cache context, as a pipeline call does: the same steps cached each time
+        assert len(cached["cached_steps_per_round"]) == 2 and len(set(cached["cached_steps_per_round"])) == 1
 
 
 def test_controlnet_table():
