@@ -32,6 +32,11 @@ def preview_decode(latent, factors, bias):
     return ((rgb + 1.0) / 2.0).clamp(0.0, 1.0)
 
 
+def decode(latent, fmt):
+    """``preview_decode`` with the latent format's factors."""
+    return preview_decode(latent, fmt.latent_rgb_factors, getattr(fmt, "latent_rgb_factors_bias", None))
+
+
 def psnr(image, reference) -> float:
     mse = (image.double() - reference.double()).pow(2).mean().item()
     return float("inf") if mse == 0 else 10.0 * math.log10(1.0 / mse)
@@ -105,8 +110,7 @@ def run_cache_scenario(scenario, device: str, threads: int, repeat: int | None) 
                     started = time.perf_counter()
                     block_cache.last_outcome()
                     latent, step_ms, cached = sample(runners[where], settings.get(threshold))
-                    image = preview_decode(latent.float().cpu(), fmt.latent_rgb_factors,
-                                           getattr(fmt, "latent_rgb_factors_bias", None))
+                    image = decode(latent.float().cpu(), fmt)
                     samples[where, threshold]["e2e"].append((time.perf_counter() - started) * 1e3)
                     samples[where, threshold]["steps"].extend(step_ms)
                     outputs[where, threshold] = latent.float().cpu(), image
@@ -175,10 +179,9 @@ def dbcache_rows(scenario, base: dict, thresholds, steps: int, threads: int, rou
     for where in ("world1", "mesh"):
         variants = result[where]["variants"]
         twin = variants[0]
-        twin_image = preview_decode(twin["latent"], fmt.latent_rgb_factors,
-                                    getattr(fmt, "latent_rgb_factors_bias", None))
+        twin_image = decode(twin["latent"], fmt)
         for v in variants:
-            image = preview_decode(v["latent"], fmt.latent_rgb_factors, getattr(fmt, "latent_rgb_factors_bias", None))
+            image = decode(v["latent"], fmt)
             ours = outputs[where, v["threshold"]][0]
             rows.append({
                 "where": where, "world_size": 1 if where == "world1" else world, "threshold": v["threshold"],

@@ -94,6 +94,7 @@ class Check:
         self.prompt = ui_to_api(load(WORKFLOW), server.object_info())
         # bf16 sums in another order (TP all-reduces, ring merges) against fp32 on the CPU.
         self.rel_tol = 3e-2 if gpu else 1e-5
+        self._cache_ref = None  # part features: the unsharded Block Cache run and its uncached twin
 
     # ------------------------------------------------------------ helpers
     def parallel(self, **sizes) -> dict:
@@ -282,7 +283,7 @@ class Check:
     def block_cache(self, case: str, **sizes) -> Row:
         from tiny_families import cached_prompt
 
-        if not hasattr(self, "_cache_ref"):
+        if self._cache_ref is None:
             self._cache_ref = (self.cached_run(cached_prompt("wan", None, None, 10))[0],
                                *self.cached_run(cached_prompt("wan", None, self.BLOCK_CACHE, 10)))
         plain, ref, ref_row = self._cache_ref
@@ -301,31 +302,28 @@ class Check:
     def case_block_cache_tp2(self):
         return self.block_cache("Block Cache, Wan TP 2", tp_size=2)
 
-    def with_and_without(self, case: str, build, **sizes) -> Row:
-        """``build(parallel)``'s graph sharded against unsharded, and how much the feature moves it."""
+    def with_and_without(self, case: str, build, plain: dict, what: str, **sizes) -> Row:
+        """``build(parallel)``'s graph sharded against unsharded; ``plain``: the graph without the
+        feature, which must move the result by more than 3x the tolerance (else the check proves nothing)."""
         ref = self.latent(build(None))
         row = self.compare(case, self.latent(build(self.parallel(**sizes))), ref)
+        moved = self.errors(self.latent(plain), ref)[1]
+        row.note = f"the {what} moves the result by {moved:.1e} (rel L2)"
+        row.ok = row.ok and moved > 3 * self.rel_tol
         return row
 
     def case_flux_controlnet_ulysses2(self):
         from tiny_families import controlnet_prompt, family_prompt
 
-        row = self.with_and_without("Flux stock ControlNet, Ulysses 2", controlnet_prompt, ulysses_size=2)
-        moved = self.errors(self.latent(family_prompt("flux", None)), self.latent(controlnet_prompt(None)))[1]
-        row.note = f"the ControlNet moves the result by {moved:.1e} (rel L2)"
-        row.ok = row.ok and moved > 3 * self.rel_tol  # the feature matters beyond the tolerance
-        return row
+        return self.with_and_without("Flux stock ControlNet, Ulysses 2", controlnet_prompt, family_prompt("flux", None),
+                                     "ControlNet", ulysses_size=2)
 
     def case_qwen_patch_ulysses2(self):
         from tiny_families import family_prompt, patched_prompt
 
-        row = self.with_and_without("Qwen-Image DiffSynth patch, Ulysses 2",
-                                    lambda parallel: patched_prompt("qwen_image", parallel), ulysses_size=2)
-        moved = self.errors(self.latent(family_prompt("qwen_image", None)),
-                            self.latent(patched_prompt("qwen_image", None)))[1]
-        row.note = f"the patch moves the result by {moved:.1e} (rel L2)"
-        row.ok = row.ok and moved > 3 * self.rel_tol  # the feature matters beyond the tolerance
-        return row
+        return self.with_and_without("Qwen-Image DiffSynth patch, Ulysses 2",
+                                     lambda parallel: patched_prompt("qwen_image", parallel),
+                                     family_prompt("qwen_image", None), "patch", ulysses_size=2)
 
     FEATURE_CASES = ("block_cache_ulysses2", "block_cache_tp2", "flux_controlnet_ulysses2", "qwen_patch_ulysses2")
 
