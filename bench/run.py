@@ -155,7 +155,7 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
         err = (out.float() - reference.float()).abs().max().item()
         status = world.status()
         pids = [r["pid"] for r in status["ranks"]]
-        release_free_heap()
+        world.release_free_heap()  # every rank's freed heap back, as between prompts
         mem = [process_memory(p) for p in pids]
     finally:
         runtime.shutdown("benchmark done")

@@ -71,6 +71,33 @@ def test_profile_script_measures_the_overlap_of_head_groups():
     assert "communication waited for" in result.stdout
 
 
+def test_comm_timeline_splits_blocked_time_into_transfer_and_wait():
+    """bench/comm_timeline.py: per forward, rank 0's compute and each rank's blocked time, the part
+    both ranks spent inside the same call (the transfer) apart from the wait for the other."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import comm_timeline
+
+    # Rank 0's forward from 0 to 1 s: it enters the exchange at 0.2, rank 1 at 0.25, both leave at
+    # 0.3; then the output gather, both from 0.5 to 0.6.
+    rank0 = [("all_to_all_single", 0.2, 0.3), ("all_gather_into", 0.5, 0.6)]
+    rank1 = [("all_to_all_single", 0.25, 0.3), ("all_gather_into", 0.5, 0.6)]
+    (row,) = comm_timeline.breakdown([(0.0, 1.0)], rank0, rank1)
+    expected = {"wall": 1000, "blocked0": 200, "compute0": 800, "blocked1": 150, "transfer": 150, "tail": 400}
+    assert {k: round(row[k], 6) for k in expected} == expected and row["calls"] == 2
+    assert comm_timeline.breakdown([(2.0, 3.0)], rank0, rank1)[0]["calls"] == 0  # calls of another forward
+
+
+def test_comm_timeline_reads_every_ranks_trace():
+    """The script end to end: the workers inherit PARALLEL_TRACE_COMM and write their timelines."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "comm_timeline.py"), "--scenario",
+                             "flux_small_ulysses2", "--forwards", "2"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print("\n" + result.stdout.strip())
+    calls = int(result.stdout.split("blocked in ")[1].split(" calls")[0])
+    assert calls >= 4  # the input broadcast, an exchange there and back, the output gather
+    assert "waiting for the other rank: rank 0" in result.stdout
+
+
 def test_cache_table_and_psnr():
     """bench/cache_bench.py: one row per layout and threshold, the PSNR of an image against itself
     infinite and of a 0.01 offset 40 dB."""

@@ -156,10 +156,33 @@ def _posted(post, *args, **kwargs) -> list:
     return [] if work is None else work if isinstance(work, list) else [work]
 
 
+TRACE_ENV = "PARALLEL_TRACE_COMM"
+
+
+class _Trace:
+    """``PARALLEL_TRACE_COMM=<folder>``: every process (rank 0 and the workers, which inherit the
+    environment) appends one line per blocking call to ``<folder>/<pid>.txt``: the call's name and
+    when it was entered and left (``time.perf_counter``, one clock for every process of a host).
+    ``bench/comm_timeline.py`` lines the ranks up: who waited for whom, and for how long the
+    transfer took once both were in."""
+
+    def __init__(self):
+        self.folder = os.environ.get(TRACE_ENV) or None
+        self._file = None
+
+    def write(self, name: str, entered: float, left: float) -> None:
+        if self._file is None:
+            self._file = open(os.path.join(self.folder, f"{os.getpid()}.txt"), "a", buffering=1)
+        self._file.write(f"{name} {entered:.6f} {left:.6f}\n")
+
+
+TRACE = _Trace()
+
+
 def _blocking(fn):
     @functools.wraps(fn)
     def timed(*args, **kwargs):
-        if not CLOCK.enabled:
+        if not CLOCK.enabled and TRACE.folder is None:
             out = _guarded_call(fn, args, kwargs)
             PROGRESS.tick()
             return out
@@ -169,8 +192,12 @@ def _blocking(fn):
             PROGRESS.tick()
             return out
         finally:
-            CLOCK.seconds += time.perf_counter() - start
-            CLOCK.calls += 1
+            end = time.perf_counter()
+            if CLOCK.enabled:
+                CLOCK.seconds += end - start
+                CLOCK.calls += 1
+            if TRACE.folder is not None:
+                TRACE.write(fn.__name__, start, end)
     return timed
 
 
@@ -321,6 +348,21 @@ def _from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
 
 def _empty_host(like: torch.Tensor) -> torch.Tensor:
     return HOST.acquire(like)
+
+
+def exchange_buffer(shape, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised buffer of ``shape`` (``like``'s dtype and device) for one exchange. On the
+    CPU it comes from the host pool: the same sizes recur at every layer, and a fresh allocation
+    of that size is fresh pages, a page fault for every 4 KiB the exchange writes. Hand it back
+    with ``release_exchange_buffer`` once nothing reads it (no view of it may outlive that)."""
+    if like.device.type != "cpu":
+        return like.new_empty(shape)
+    return HOST.acquire(torch.empty(shape, dtype=like.dtype, device="meta"))
+
+
+def release_exchange_buffer(buf: torch.Tensor) -> None:
+    if buf.device.type == "cpu":
+        HOST.release(buf)
 
 
 # ---------------------------------------------------------------- collectives

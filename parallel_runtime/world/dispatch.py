@@ -79,6 +79,16 @@ class Dispatch:
             out[w.rank] = self.expect(w, "digest", deadline)[1]
         return out
 
+    def release_free_heap(self) -> None:
+        """Every CPU rank gives its freed heap back now (workers do so by themselves once idle for
+        settings.IDLE_TRIM_S): for memory figures that must not wait for that."""
+        memory.release_free_heap()
+        deadline = time.monotonic() + self.startup_timeout
+        for w in self.workers:
+            w.conn.send(("trim",))
+        for w in self.workers:
+            self.expect(w, "trimmed", deadline)
+
     # ---------------------------------------------------------------- forward
     def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
                 distributed_attention: bool = True, compile=None, layout: MeshLayout | None = None,

@@ -28,6 +28,13 @@ COLLECTIVE_TIMEOUT_S = _env_seconds("PARALLEL_COLLECTIVE_TIMEOUT_S", 300)
 BACKEND_TIMEOUT_S = COLLECTIVE_TIMEOUT_S + 60
 
 
+# A CPU worker hands its freed heap back to the OS (malloc_trim) once it has waited this long for
+# its next command (a prompt is over), not after every forward: the page faults that refill a
+# trimmed heap cost the next forward 4-6 % on flux_ulysses2 at world size 2, and between the
+# forwards of a run the heap is reused anyway (bench/results/ulysses2_breakdown_2026-11-27.md).
+# Longer than the gaps inside a prompt: a sampler step's own work, a one-rank forward in a benchmark.
+IDLE_TRIM_S = 10.0
+
 SHUTDOWN_GRACE_S = 15.0  # for workers to unmap their weights and exit when told to
 
 

@@ -26,7 +26,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from . import memory, protocol
+from . import memory, protocol, settings
 from .memory import release_free_heap
 from ..distributed import comm
 from ..distributed.mesh import MeshLayout, ProcessMesh
@@ -171,6 +171,7 @@ class _Server:
         self.mesh = ProcessMesh(MeshLayout.from_sizes(boot["mesh"]), self.rank, self.process_groups)
         self.meshes = {self.mesh.layout.sizes: self.mesh}  # every layout rank 0 formed groups for
         self.models: dict[str, tuple] = {}
+        self.heap_to_trim = False
         self._publish_progress()
         conn.send(("ready", self.rank))
 
@@ -190,12 +191,20 @@ class _Server:
 
     def serve(self) -> None:
         while True:
-            msg = self.conn.recv()
+            msg = self._next_command()
             kind = msg[0]
             if kind == "shutdown":
                 self.release()
                 return
             getattr(self, "on_" + kind)(*msg[1:])
+
+    def _next_command(self):
+        """Rank 0's next message. A CPU rank with a forward's freed heap that waits for it
+        ``settings.IDLE_TRIM_S`` (its prompt is over) gives that heap back first."""
+        if self.heap_to_trim and not self.conn.poll(settings.IDLE_TRIM_S):
+            release_free_heap(collect=False)
+            self.heap_to_trim = False
+        return self.conn.recv()
 
     def release(self) -> None:
         """Unmap the shared weights and the status table, and tell rank 0 so."""
@@ -295,8 +304,9 @@ class _Server:
         row = self.status_table[self.rank]
         row[0] = (time.perf_counter() - started) * 1e3
         self._send_stats(forward_done=True)
-        if self.device.type == "cpu":
-            release_free_heap(collect=False)  # the step's freed temporaries, or each CPU rank keeps a step of dead heap
+        # The step's freed temporaries go back to the OS once this rank idles (settings.IDLE_TRIM_S),
+        # or each CPU rank would keep a step of dead heap between prompts.
+        self.heap_to_trim = self.device.type == "cpu"
 
     def _maybe_inject_fault(self, stage: str) -> None:
         """Failure drills: PARALLEL_FAULT_INJECT="raise:<rank>:<n>" makes that rank raise on its
@@ -324,6 +334,13 @@ class _Server:
         self.status_table[self.rank][protocol.COMPILE_FIELDS] = torch.tensor(watch.row(), dtype=torch.float64)
         if self.remote:  # no shared table across hosts: rank 0's watchdog reads it from a "stats" message
             self._send_stats()
+
+    def on_trim(self) -> None:
+        """Rank 0 asks for the freed heap back now (memory figures)."""
+        if self.device.type == "cpu":
+            release_free_heap(collect=False)
+        self.heap_to_trim = False
+        self.conn.send(("trimmed", self.rank))
 
     def on_ping(self) -> None:
         self.conn.send(("pong", self.rank))
