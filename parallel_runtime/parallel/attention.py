@@ -108,8 +108,11 @@ def scatter_heads(tensors, n: int, group) -> list[torch.Tensor]:
     """Ulysses forward: [B, H, S, D] sequence-sharded tensors (q, k, v) -> [B, H/n, n*S, D]
     head-sharded, contiguous (attention on strided inputs is slower than the copy that avoids it:
     measured 4-6 % on PyTorch's CPU flash attention). All of them travel in one all-to-all; each
-    is copied once into the send buffer and once out of the receive buffer."""
+    is copied once into the send buffer and once out of the receive buffer. They must be of one
+    shape."""
     b, h, s, d = tensors[0].shape
+    if any(t.shape != tensors[0].shape for t in tensors):
+        raise ValueError(f"Ulysses: one exchange for tensors of shapes {[tuple(t.shape) for t in tensors]}")
     shape = (n, len(tensors), b, h // n, s, d)  # [n (destination / source chunk), tensor, B, H/n, S, D]
     send, recv = comm.exchange_buffer(shape, tensors[0]), comm.exchange_buffer(shape, tensors[0])
     for i, t in enumerate(tensors):
@@ -351,8 +354,9 @@ def cross_stream_attention(attend, args, kwargs, *, sp: SequenceParallel, q_layo
     heads_first = bool(kwargs.get("skip_output_reshape", False))
     q = q_layout.pad_local(to_bhsd(q, heads, head_layout), 2)
     k2, v2 = (kv_layout.pad_local(to_bhsd(t, heads, head_layout), 2) for t in (k, v))
-    if U > 1:
-        q, k2, v2 = scatter_heads([q, k2, v2], U, sp.ulysses_group)
+    if U > 1:  # two exchanges: the queries' streams and the keys' may be of different lengths
+        (q,) = scatter_heads([q], U, sp.ulysses_group)
+        k2, v2 = scatter_heads([k2, v2], U, sp.ulysses_group)
     block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
     mine = q_layout.gathered(block_ranks(sp.ring_rank))  # this rank's real queries after the exchange
     q2 = _real_rows(q, mine)
