@@ -69,6 +69,29 @@ def test_a_worker_releasing_its_models_empties_its_pool(monkeypatch):
     assert sent == [("released", 1)] and pool.pinned_bytes == 0 and pool.kept_bytes == 0
 
 
+def test_cpu_exchange_buffers_are_reused_apart_from_the_staging_figures(monkeypatch):
+    """Ulysses' exchange buffers on CPU ranks: the same storage again for the same size, kept in a
+    pool of their own (the status's host_* figures stay staging's), emptied when a worker releases."""
+    from parallel_runtime.world.worker import _Server
+
+    pool = comm._HostBuffers(cap_bytes=64 * MB, pin=comm.plain_host, pin_cpu=False)
+    monkeypatch.setattr(comm, "EXCHANGE", pool)
+    like = torch.zeros(1)
+    first = comm.exchange_buffer((2, 3, 4), like)
+    assert first.shape == (2, 3, 4) and first.dtype == torch.float32
+    comm.release_exchange_buffer(first)
+    again = comm.exchange_buffer((2, 3, 4), like)
+    assert again.data_ptr() == first.data_ptr()  # reused: no fresh pages to fault in
+    other = comm.exchange_buffer((4, 3, 2), like)  # in use at the same time: another buffer
+    assert other.data_ptr() != again.data_ptr()
+    comm.release_exchange_buffer(again)
+    comm.release_exchange_buffer(other)
+    assert pool.kept_bytes == 2 * 24 * 4 and comm.HOST.kept_bytes == 0 and pool.pinned_total == 0
+    server = types.SimpleNamespace(models={}, status_table=None, conn=types.SimpleNamespace(send=lambda m: None), rank=1)
+    _Server.release(server)
+    assert pool.kept_bytes == 0
+
+
 # ---------------------------------------------------------------- peaks
 class FakeCuda:
     """torch.cuda's memory counters, for a device this machine does not have."""

@@ -333,6 +333,15 @@ class _HostBuffers:
 
 
 HOST = _HostBuffers()
+# CPU ranks' Ulysses exchange buffers (exchange_buffer): a pool of their own, never pinned, so that
+# HOST's figures (host_pinned_bytes / host_kept_bytes in the status) stay those of staging.
+EXCHANGE = _HostBuffers(pin=plain_host, pin_cpu=False)
+
+
+def clear_pools() -> None:
+    """A world's end: every kept host buffer goes, staging's and the exchange's."""
+    HOST.clear()
+    EXCHANGE.clear()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -352,17 +361,17 @@ def _empty_host(like: torch.Tensor) -> torch.Tensor:
 
 def exchange_buffer(shape, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised buffer of ``shape`` (``like``'s dtype and device) for one exchange. On the
-    CPU it comes from the host pool: the same sizes recur at every layer, and a fresh allocation
-    of that size is fresh pages, a page fault for every 4 KiB the exchange writes. Hand it back
-    with ``release_exchange_buffer`` once nothing reads it (no view of it may outlive that)."""
+    CPU it comes from a pool (``EXCHANGE``): the same sizes recur at every layer, and a fresh
+    allocation of that size is fresh pages, a page fault for every 4 KiB the exchange writes. Hand
+    it back with ``release_exchange_buffer`` once nothing reads it (no view of it may outlive that)."""
     if like.device.type != "cpu":
         return like.new_empty(shape)
-    return HOST.acquire(torch.empty(shape, dtype=like.dtype, device="meta"))
+    return EXCHANGE.acquire(torch.empty(shape, dtype=like.dtype, device="meta"))
 
 
 def release_exchange_buffer(buf: torch.Tensor) -> None:
     if buf.device.type == "cpu":
-        HOST.release(buf)
+        EXCHANGE.release(buf)
 
 
 # ---------------------------------------------------------------- collectives

@@ -211,7 +211,7 @@ class _Server:
         self.models.clear()
         self.status_table = None
         gc.collect()
-        comm.HOST.clear()  # the staging pool's pinned buffers
+        comm.clear_pools()  # the staging pool's pinned buffers and the exchange's
         self.conn.send(("released", self.rank))
 
     def on_load(self, key: str, plan, data: bytes) -> None:

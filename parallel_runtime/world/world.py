@@ -268,7 +268,7 @@ class World(Dispatch):
             for w in self.workers:
                 self._wait_for_worker(w, deadline, died_on_their_own)
             self._close_rendezvous()
-            comm.HOST.clear()  # the staging pool's pinned buffers (shared across worlds)
+            comm.clear_pools()  # the staging pool's pinned buffers and the exchange's (shared across worlds)
             log.info("parallel world stopped (%s)", reason)
 
     def _tell_workers_to_stop(self):
