@@ -25,6 +25,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .local_exchange import EXCHANGES as LOCAL_EXCHANGES
+
 FORCE_ENV = "PARALLEL_FORCE_STAGING"
 _forced = threading.local()
 
@@ -339,9 +341,11 @@ EXCHANGE = _HostBuffers(pin=plain_host, pin_cpu=False)
 
 
 def clear_pools() -> None:
-    """A world's end: every kept host buffer goes, staging's and the exchange's."""
+    """A world's end: every kept host buffer goes, staging's and the exchange's, and the shared-memory
+    all-to-all segments are unmapped."""
     HOST.clear()
     EXCHANGE.clear()
+    LOCAL_EXCHANGES.close_all()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -398,7 +402,9 @@ def all_reduce(t: torch.Tensor, group=None) -> None:
 @_blocking
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     if not staged(group, inp):
-        dist.all_to_all_single(out, inp, group=group)
+        # CPU ranks of one host: through shared memory (local_exchange), else gloo's / NCCL's own.
+        if backend_of(group) != "gloo" or not LOCAL_EXCHANGES.run(out, inp, group):
+            dist.all_to_all_single(out, inp, group=group)
         return
     host_in, host_out = _to_host(inp), _empty_host(out)
     dist.all_to_all_single(host_out, host_in, group=group)

@@ -1,0 +1,226 @@
+"""All-to-all through shared memory for CPU ranks of one host (issue 35).
+
+gloo moves an all-to-all between two processes of one machine through the kernel's TCP loopback:
+a copy into the socket, a copy out of it, the TCP stack and gloo's own threads in between, all
+on the cores that also compute. Here every rank instead writes the chunks it sends into a
+shared-memory segment of its own (``/dev/shm``, mapped by every rank of the group), the ranks meet
+in one small gloo all-reduce, and each copies the chunks addressed to it straight out of its peers'
+segments. The next exchange's first meeting is the proof that everyone has read this one, before
+any segment is written again. The data is copied once
+each way, and gloo carries 16 bytes a meeting; the meetings keep gloo's failure handling (a dead
+peer, a timeout, an abort) for the exchange as a whole.
+
+Used by ``comm.all_to_all_single`` for CPU tensors of a gloo group, when every rank of the group
+can map the others' segments (checked once per group, collectively: ranks on other hosts cannot,
+and the group keeps gloo). The result is bit for bit the one gloo's all-to-all gives (it only
+moves bytes). Off with ``PARALLEL_SHM_EXCHANGE=0``; exchanges larger than
+``PARALLEL_SHM_EXCHANGE_CAP_MB`` (default 512) per rank keep gloo. On GPUs nothing changes: NCCL
+moves device tensors, and gloo's staged path keeps its host buffers.
+
+Segments are reserved with ``posix_fallocate`` (a full ``/dev/shm``, as in a container's default
+64 MB, is a refusal and the group keeps gloo, never a SIGBUS), and unlinked as soon as every peer
+has mapped them: the memory goes when the last rank unmaps it, also when a rank is killed.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import threading
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+ENV = "PARALLEL_SHM_EXCHANGE"
+CAP_ENV = "PARALLEL_SHM_EXCHANGE_CAP_MB"
+DEFAULT_CAP_MB = 512
+FOLDER = "/dev/shm"
+_HEADER = 64          # bytes before the data: the segment's token, which a peer checks after mapping it
+_ROUND = 2**20        # capacities grow in whole MiB
+
+
+def _path(token: int) -> str:
+    return os.path.join(FOLDER, f"hybrid-parallel-{token:016x}")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("0", "")
+
+
+def cap_bytes() -> int:
+    try:
+        return int(float(os.environ[CAP_ENV]) * 2**20)
+    except (KeyError, ValueError):
+        return DEFAULT_CAP_MB * 2**20
+
+
+class _Segment:
+    """One rank's mapped segment (its own or a peer's); ``data``: the bytes after the header."""
+
+    def __init__(self, path: str, size: int, create: bool, token: int):
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, size)  # reserved now: ENOSPC here, not SIGBUS on a later write
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.data = self.bytes[_HEADER:]
+        self.header = self.bytes[:8].view(torch.int64)
+        if create:
+            self.header[0] = token
+
+    def close(self) -> None:
+        self.bytes = self.data = self.header = None
+        try:
+            self.map.close()
+        except BufferError:  # a view still exported: the mapping goes with its last reference
+            pass
+
+
+class _GroupExchange:
+    """The segments of one process group: this rank's and its peers', all of one capacity."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.capacity = 0
+        self.segments: list[_Segment | None] = []
+        self.usable = True
+
+    def close(self) -> None:
+        for s in self.segments:
+            if s is not None:
+                s.close()
+        self.segments = []
+        self.capacity = 0
+
+    def _meet(self, value: int) -> None:
+        """Every rank of the group is here, and all passed the same ``value`` (the exchange's size)."""
+        t = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if int(t[0]) != -int(t[1]):
+            raise RuntimeError(f"all-to-all of different sizes across the ranks of one group: from "
+                               f"{-int(t[1])} to {int(t[0])} bytes (this rank: {value})")
+
+    def _agree(self, ok: bool) -> bool:
+        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(int(t[0]))
+
+    def reserve(self, nbytes: int) -> bool:
+        """Segments of at least ``nbytes`` on every rank (collective; the same ``nbytes`` everywhere).
+        False, on every rank alike, where some rank cannot have them: the group keeps gloo."""
+        if nbytes <= self.capacity:
+            return True
+        capacity = -(-nbytes // _ROUND) * _ROUND
+        token = secrets.randbits(62) + 1
+        own, error = None, None
+        try:
+            own = _Segment(_path(token), _HEADER + capacity, True, token)
+        except OSError as exc:
+            error = exc
+        tokens = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(tokens, torch.tensor([token if own is not None else 0], dtype=torch.int64), group=self.group)
+        peers = {}
+        try:
+            for r, peer_token in enumerate(int(t) for t in tokens):
+                if r == self.rank or error is not None:
+                    continue
+                if peer_token == 0:
+                    raise OSError(f"rank {r} of the group could not reserve its segment")
+                peers[r] = seg = _Segment(_path(peer_token), _HEADER + capacity, False, peer_token)
+                if int(seg.header[0]) != peer_token:
+                    raise OSError(f"rank {r}'s segment holds another token")
+        except OSError as exc:
+            error = exc
+        ok = self._agree(error is None)
+        if own is not None:  # every peer that could map it has: the name can go
+            try:
+                os.unlink(_path(token))
+            except OSError:
+                pass
+        if not ok:
+            for seg in [own, *peers.values()]:
+                if seg is not None:
+                    seg.close()
+            self.usable = False
+            log.info("all-to-all through gloo for this group: shared-memory segments unavailable (%s)",
+                     error or "another rank could not map them")
+            return False
+        self.close()
+        self.segments = [own if r == self.rank else peers[r] for r in range(self.size)]
+        self.capacity = capacity
+        return True
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> bool:
+        """``dist.all_to_all_single(out, inp)`` with equal splits, through the segments; False (on
+        every rank alike) where the segments cannot be had and gloo must move it.
+
+        Two meetings: the first checks that every rank exchanges as many bytes and that every rank
+        has read the last exchange out of the segments (so they may be written again); the second,
+        that every segment holds this exchange."""
+        n, r = self.size, self.rank
+        src = inp.reshape(-1).view(torch.uint8)
+        dst = out.reshape(-1).view(torch.uint8)
+        self._meet(src.numel())
+        if not self.reserve(src.numel()):
+            return False
+        chunk = src.numel() // n
+        own = self.segments[r].data
+        for j in range(n):
+            if j != r:
+                own[j * chunk:(j + 1) * chunk].copy_(src[j * chunk:(j + 1) * chunk])
+        dst[r * chunk:(r + 1) * chunk].copy_(src[r * chunk:(r + 1) * chunk])
+        self._meet(src.numel())
+        for j in range(n):
+            if j != r:
+                dst[j * chunk:(j + 1) * chunk].copy_(self.segments[j].data[r * chunk:(r + 1) * chunk])
+        return True
+
+
+class _Exchanges:
+    """Per process group, its shared-memory exchange (or the finding that it has none)."""
+
+    def __init__(self):
+        self._groups: dict[object, _GroupExchange] = {}
+        self._lock = threading.Lock()
+
+    def run(self, out: torch.Tensor, inp: torch.Tensor, group) -> bool:
+        """Exchange through shared memory; False where this call must go through gloo (decided alike
+        on every rank: the switches, the size and the group's segments are the same everywhere)."""
+        if not enabled() or inp.device.type != "cpu" or out.device.type != "cpu":
+            return False
+        if not (inp.is_contiguous() and out.is_contiguous()):
+            return False
+        nbytes = inp.numel() * inp.element_size()
+        if nbytes > cap_bytes() or out.numel() * out.element_size() != nbytes:
+            return False
+        key = group if group is not None else dist.group.WORLD
+        with self._lock:
+            ex = self._groups.get(key)
+            if ex is None:
+                ex = self._groups[key] = _GroupExchange(group)
+        if not ex.usable or ex.size < 2 or nbytes % ex.size:
+            return False
+        return ex.all_to_all(out, inp)
+
+    def close_all(self) -> None:
+        """A world's end: unmap every segment (their names are already gone)."""
+        with self._lock:
+            groups, self._groups = self._groups, {}
+        for ex in groups.values():
+            ex.close()
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(ex.capacity * len(ex.segments) for ex in self._groups.values())
+
+
+EXCHANGES = _Exchanges()

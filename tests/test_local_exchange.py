@@ -1,0 +1,107 @@
+"""The shared-memory all-to-all of CPU ranks on one host (distributed/local_exchange.py, issue 35):
+real processes of one gloo group, its bytes against gloo's own all-to-all in the same processes, the
+fallback when a rank cannot have its segment, sizes that differ across ranks, and nothing left in
+/dev/shm."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+WORKER = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[4])
+from parallel_runtime.distributed import comm, local_exchange
+rank, world, port, _, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+if case == "no_segment" and rank == world - 1:
+    local_exchange.FOLDER = "/nonexistent-folder-for-this-test"
+report = {"rank": rank, "exact": [], "error": None}
+try:
+    for i, (numel, dtype) in enumerate([(world * 6, torch.float32), (world * 1000, torch.bfloat16),
+                                        (world * 300_000, torch.float32), (world * 2, torch.int64)]):
+        if case == "mismatch" and i == 1 and rank == 0:
+            numel += world
+        g = torch.Generator().manual_seed(1000 * i + rank)
+        inp = (torch.randn(numel, generator=g) * 100).to(dtype)
+        ours, theirs = torch.empty_like(inp), torch.empty_like(inp)
+        comm.all_to_all_single(ours, inp)
+        dist.all_to_all_single(theirs, inp)
+        report["exact"].append(bool(torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))))
+except RuntimeError as exc:
+    report["error"] = str(exc)
+ex = next(iter(local_exchange.EXCHANGES._groups.values()), None)
+report["shared"] = bool(ex is not None and ex.usable and ex.capacity > 0)
+report["capacity"] = ex.capacity if ex is not None else 0
+comm.clear_pools()
+report["after_close"] = local_exchange.EXCHANGES.mapped_bytes
+print("REPORT " + json.dumps(report), flush=True)
+if report["error"] is None:
+    dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ours_in_shm() -> set:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("hybrid-parallel-")} if os.path.isdir("/dev/shm") else set()
+
+
+def run_ranks(case: str, world: int = 2, env=None) -> list[dict]:
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(REPO), case],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+             for r in range(world)]
+    reports = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        line = [l for l in out.splitlines() if l.startswith("REPORT ")]
+        assert line, out
+        reports.append(json.loads(line[-1][len("REPORT "):]))
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_same_bytes_as_gloo_and_nothing_left_behind(world):
+    before = _ours_in_shm()
+    reports = run_ranks("plain", world)
+    for r in reports:
+        assert r["error"] is None
+        assert r["exact"] == [True] * 4, r
+        assert r["shared"], "the exchange did not go through shared memory"
+        assert r["capacity"] >= 300_000 * 4  # grown to the largest exchange (1.2 MB a rank)
+        assert r["after_close"] == 0
+    assert _ours_in_shm() <= before  # names unlinked once mapped
+
+
+def test_switched_off_is_gloo():
+    reports = run_ranks("plain", 2, env={"PARALLEL_SHM_EXCHANGE": "0"})
+    assert all(r["exact"] == [True] * 4 and not r["shared"] for r in reports)
+
+
+def test_a_rank_without_a_segment_keeps_every_rank_on_gloo():
+    before = _ours_in_shm()
+    reports = run_ranks("no_segment", 2)
+    for r in reports:
+        assert r["error"] is None and r["exact"] == [True] * 4
+        assert not r["shared"]
+    assert _ours_in_shm() <= before
+
+
+def test_sizes_that_differ_across_ranks_fail_clearly():
+    reports = run_ranks("mismatch", 2)
+    for r in reports:
+        assert r["error"] is not None and "different sizes" in r["error"], r
