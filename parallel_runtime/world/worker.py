@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import memory, protocol, settings
-from .memory import release_free_heap
+from .memory import keep_freed_heap, release_free_heap
 from ..distributed import comm
 from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout import probe
@@ -156,6 +156,7 @@ class _Server:
             torch.cuda.set_device(self.device)
         if boot.get("threads"):
             torch.set_num_threads(int(boot["threads"]))
+        self.heap_kept = self.device.type == "cpu" and keep_freed_heap()
         pickling.use_shared_memory_strategy()
         kind, table = conn.recv()
         assert kind == "status_table", kind
