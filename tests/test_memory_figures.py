@@ -238,3 +238,45 @@ def test_the_headless_client_summarises_every_rank():
     assert zero == ("  rank 0 cuda:0: GPU allocated 3072 MB (peak 5120 MB), reserved 6144 MB (peak 7168 MB), "
                     "RSS 900 MB (peak 1200 MB), pinned 64 MB, weights 1024 MB, 20 steps")
     assert one == "  rank 1 cpu (exited): weights 0 MB, 0 steps"
+
+
+KEPT_HEAP = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from parallel_runtime.world.memory import keep_freed_heap, release_free_heap
+kept = keep_freed_heap() if sys.argv[1] == "1" else False
+def faults():
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+def step():  # a forward's temporaries: one over glibc's 32 MiB mmap ceiling, one under it
+    a, b = torch.ones(48 * 2**20 // 4), torch.ones(8 * 2**20 // 4)
+    del a, b
+step(); step()  # the heap's layout settles in two
+before = faults()
+for _ in range(4):
+    step()
+during = faults() - before
+release_free_heap(collect=False)
+step()
+print(kept, during, faults() - before - during)
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/stat"), reason="needs /proc")
+def test_a_kept_heap_faults_no_page_in_again_and_the_idle_trim_still_returns_it():
+    """memory.keep_freed_heap, as CPU workers call it at start: the next forward's temporaries reuse
+    the pages the last one freed. Without it glibc maps and unmaps the large one every time."""
+    import subprocess
+    import sys
+    from conftest import REPO
+    runs = {}
+    for on in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", KEPT_HEAP, on, str(REPO)], capture_output=True, text=True,
+                             timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0, out.stderr
+        kept, during, after_trim = out.stdout.split()
+        runs[on] = (kept == "True", int(during), int(after_trim))
+    pages = 48 * MB // 4096
+    assert runs["0"][0] is False and runs["0"][1] >= 4 * pages * 0.9  # every step faulted the 48 MiB in again
+    assert runs["1"][0] is True and runs["1"][1] < pages // 10       # kept: nothing to speak of
+    assert runs["1"][2] >= pages * 0.9  # after the trim the memory was the OS's again
