@@ -412,6 +412,65 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     _from_host(out, host_out)
 
 
+class Exchange:
+    """One equal-split all-to-all whose send buffer the caller fills in place and whose received
+    chunks it reads in place, so that its own layout changes are the only copies: ``send`` ([n, ...]:
+    entry j goes to group rank j), then ``run()`` gives n tensors of ``shape[1:]`` (entry j from rank
+    j), to be read before this group's next exchange, then ``close()``.
+
+    CPU ranks of one host: ``send`` is this rank's shared-memory segment and the chunks are views of
+    the senders' segments (``local_exchange``). Elsewhere (NCCL, gloo across hosts, staged): pooled
+    buffers and ``all_to_all_single``."""
+
+    def __init__(self, shape, like: torch.Tensor, group=None, source: torch.Tensor | None = None):
+        """``source``: what to send, if the caller has it whole (of ``shape``'s size, in its order):
+        copied into the segment, sent as it is where it is contiguous and no segment serves."""
+        self.shape, self.group = tuple(shape), group
+        self._recv, self._pooled = None, True
+        n_bytes = like.element_size()
+        for d in self.shape:
+            n_bytes *= d
+        self.nbytes = n_bytes
+        self._local = None
+        if backend_of(group) == "gloo" and not staged(group, like):
+            local = LOCAL_EXCHANGES.for_exchange(group, n_bytes, like.device)
+            raw = local.send_buffer(n_bytes) if local is not None else None
+            if raw is not None:
+                self._local = local
+                self.send = raw.view(like.dtype).view(self.shape)
+                if source is not None:
+                    self.send.view(source.shape).copy_(source)
+                return
+        if source is not None and source.is_contiguous():
+            self.send, self._pooled = source.view(self.shape), False
+            return
+        self.send = exchange_buffer(self.shape, like)
+        if source is not None:
+            self.send.view(source.shape).copy_(source)
+
+    @_blocking
+    def exchange_in_place(self) -> list:
+        return self._local.exchange(self.nbytes)
+
+    def run(self) -> list[torch.Tensor]:
+        if self._local is not None:
+            chunks = self.exchange_in_place()
+            if chunks is None:  # the fake NCCL abort: nothing arrived
+                return list(torch.zeros_like(self.send).unbind(0))
+            return [c.view(self.send.dtype).view(self.shape[1:]) for c in chunks]
+        self._recv = exchange_buffer(self.shape, self.send)
+        all_to_all_single(self._recv, self.send, self.group)
+        return list(self._recv.unbind(0))
+
+    def close(self) -> None:
+        if self._local is None:
+            if self._pooled:
+                release_exchange_buffer(self.send)
+            if self._recv is not None:
+                release_exchange_buffer(self._recv)
+        self.send = self._recv = self._local = None
+
+
 def all_to_all_async(out: torch.Tensor, inp: torch.Tensor, group=None) -> "Pending":
     """``all_to_all_single`` in flight: ``wait()`` on the result completes it (NCCL runs it on its
     own stream, gloo on its own thread, while this thread computes)."""

@@ -4,11 +4,13 @@ gloo moves an all-to-all between two processes of one machine through the kernel
 a copy into the socket, a copy out of it, the TCP stack and gloo's own threads in between, all
 on the cores that also compute. Here every rank instead writes the chunks it sends into a
 shared-memory segment of its own (``/dev/shm``, mapped by every rank of the group), the ranks meet
-in one small gloo all-reduce, and each copies the chunks addressed to it straight out of its peers'
-segments. The next exchange's first meeting is the proof that everyone has read this one, before
-any segment is written again. The data is copied once
-each way, and gloo carries 16 bytes a meeting; the meetings keep gloo's failure handling (a dead
-peer, a timeout, an abort) for the exchange as a whole.
+in one small gloo all-reduce, and each reads the chunks addressed to it straight out of its peers'
+segments. ``comm.Exchange`` hands the caller the segment itself to fill and the chunks to read in
+place, so the data is copied once each way, by the caller's own layout changes. gloo carries 16
+bytes a meeting; the meeting keeps gloo's failure handling (a dead peer, a timeout, an abort) for
+the exchange as a whole. Each segment has two halves that exchanges use in turn, so one meeting an
+exchange is enough: the next one's meeting proves that every rank has read this one before the
+half is written again.
 
 Used by ``comm.all_to_all_single`` for CPU tensors of a gloo group, when every rank of the group
 can map the others' segments (checked once per group, collectively: ranks on other hosts cannot,
@@ -84,20 +86,22 @@ class _Segment:
 
 
 class _GroupExchange:
-    """The segments of one process group: this rank's and its peers', all of one capacity."""
+    """The segments of one process group: this rank's and its peers', all of one capacity, each in
+    two halves that exchanges use in turn (a half written by exchange k is written again by k + 2
+    only: by then exchange k + 1's meeting has shown that every rank read k)."""
 
     def __init__(self, group):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.capacity = 0
-        self.segments: list[_Segment | None] = []
+        self.capacity = 0  # bytes of one half
+        self.segments: list[_Segment] = []
         self.usable = True
+        self.turn = 0      # the half the next exchange writes
 
     def close(self) -> None:
         for s in self.segments:
-            if s is not None:
-                s.close()
+            s.close()
         self.segments = []
         self.capacity = 0
 
@@ -114,16 +118,21 @@ class _GroupExchange:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(t[0]))
 
+    def _half(self, r: int, turn: int) -> torch.Tensor:
+        return self.segments[r].data[turn * self.capacity:(turn + 1) * self.capacity]
+
     def reserve(self, nbytes: int) -> bool:
-        """Segments of at least ``nbytes`` on every rank (collective; the same ``nbytes`` everywhere).
-        False, on every rank alike, where some rank cannot have them: the group keeps gloo."""
+        """Segments of at least ``nbytes`` a half on every rank (collective; the same ``nbytes``
+        everywhere, and no view of the old segments read or written any more). False, on every rank
+        alike, where some rank cannot have them: the group keeps gloo."""
         if nbytes <= self.capacity:
             return True
         capacity = -(-nbytes // _ROUND) * _ROUND
+        size = _HEADER + 2 * capacity
         token = secrets.randbits(62) + 1
         own, error = None, None
         try:
-            own = _Segment(_path(token), _HEADER + capacity, True, token)
+            own = _Segment(_path(token), size, True, token)
         except OSError as exc:
             error = exc
         tokens = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
@@ -135,7 +144,7 @@ class _GroupExchange:
                     continue
                 if peer_token == 0:
                     raise OSError(f"rank {r} of the group could not reserve its segment")
-                peers[r] = seg = _Segment(_path(peer_token), _HEADER + capacity, False, peer_token)
+                peers[r] = seg = _Segment(_path(peer_token), size, False, peer_token)
                 if int(seg.header[0]) != peer_token:
                     raise OSError(f"rank {r}'s segment holds another token")
         except OSError as exc:
@@ -159,30 +168,23 @@ class _GroupExchange:
         self.capacity = capacity
         return True
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> bool:
-        """``dist.all_to_all_single(out, inp)`` with equal splits, through the segments; False (on
-        every rank alike) where the segments cannot be had and gloo must move it.
+    def send_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """Where this rank writes the next exchange's ``nbytes`` (its chunk for rank j at j * nbytes / n),
+        or None (on every rank alike) where it goes through gloo."""
+        if not self.reserve(nbytes):
+            return None
+        return self._half(self.rank, self.turn)[:nbytes]
 
-        Two meetings: the first checks that every rank exchanges as many bytes and that every rank
-        has read the last exchange out of the segments (so they may be written again); the second,
-        that every segment holds this exchange."""
-        n, r = self.size, self.rank
-        src = inp.reshape(-1).view(torch.uint8)
-        dst = out.reshape(-1).view(torch.uint8)
-        self._meet(src.numel())
-        if not self.reserve(src.numel()):
-            return False
-        chunk = src.numel() // n
-        own = self.segments[r].data
-        for j in range(n):
-            if j != r:
-                own[j * chunk:(j + 1) * chunk].copy_(src[j * chunk:(j + 1) * chunk])
-        dst[r * chunk:(r + 1) * chunk].copy_(src[r * chunk:(r + 1) * chunk])
-        self._meet(src.numel())
-        for j in range(n):
-            if j != r:
-                dst[j * chunk:(j + 1) * chunk].copy_(self.segments[j].data[r * chunk:(r + 1) * chunk])
-        return True
+    def exchange(self, nbytes: int) -> list[torch.Tensor]:
+        """Every rank has written its send buffer: the n chunks addressed to this rank, chunk j from
+        rank j, read in place (in the senders' segments). Read them before the next exchange's
+        ``send_buffer`` on this rank: after its meeting they may be written again."""
+        self._meet(nbytes)
+        chunk = nbytes // self.size
+        at = self.rank * chunk
+        chunks = [self._half(j, self.turn)[at:at + chunk] for j in range(self.size)]
+        self.turn ^= 1
+        return chunks
 
 
 class _Exchanges:
@@ -192,24 +194,37 @@ class _Exchanges:
         self._groups: dict[object, _GroupExchange] = {}
         self._lock = threading.Lock()
 
-    def run(self, out: torch.Tensor, inp: torch.Tensor, group) -> bool:
-        """Exchange through shared memory; False where this call must go through gloo (decided alike
-        on every rank: the switches, the size and the group's segments are the same everywhere)."""
-        if not enabled() or inp.device.type != "cpu" or out.device.type != "cpu":
-            return False
-        if not (inp.is_contiguous() and out.is_contiguous()):
-            return False
-        nbytes = inp.numel() * inp.element_size()
-        if nbytes > cap_bytes() or out.numel() * out.element_size() != nbytes:
-            return False
+    def for_exchange(self, group, nbytes: int, device: torch.device) -> _GroupExchange | None:
+        """The group's exchange, for an all-to-all of ``nbytes`` a rank, or None where this one must go
+        through gloo (decided alike on every rank: the switch, the size and the group's segments
+        are the same everywhere). The caller then takes ``send_buffer`` (None there too: gloo)."""
+        if not enabled() or device.type != "cpu" or nbytes > cap_bytes():
+            return None
         key = group if group is not None else dist.group.WORLD
         with self._lock:
             ex = self._groups.get(key)
             if ex is None:
                 ex = self._groups[key] = _GroupExchange(group)
         if not ex.usable or ex.size < 2 or nbytes % ex.size:
+            return None
+        return ex
+
+    def run(self, out: torch.Tensor, inp: torch.Tensor, group) -> bool:
+        """``dist.all_to_all_single(out, inp)`` with equal splits through shared memory: one copy in,
+        one copy out. False where gloo must move it."""
+        nbytes = inp.numel() * inp.element_size()
+        if not (inp.is_contiguous() and out.is_contiguous()) or out.numel() * out.element_size() != nbytes:
             return False
-        return ex.all_to_all(out, inp)
+        ex = self.for_exchange(group, nbytes, inp.device)
+        send = ex.send_buffer(nbytes) if ex is not None else None
+        if send is None:
+            return False
+        send.copy_(inp.reshape(-1).view(torch.uint8))
+        dst = out.reshape(-1).view(torch.uint8)
+        chunk = nbytes // ex.size
+        for j, c in enumerate(ex.exchange(nbytes)):
+            dst[j * chunk:(j + 1) * chunk].copy_(c)
+        return True
 
     def close_all(self) -> None:
         """A world's end: unmap every segment (their names are already gone)."""
@@ -220,7 +235,7 @@ class _Exchanges:
 
     @property
     def mapped_bytes(self) -> int:
-        return sum(ex.capacity * len(ex.segments) for ex in self._groups.values())
+        return sum(2 * ex.capacity * len(ex.segments) for ex in self._groups.values())
 
 
 EXCHANGES = _Exchanges()

@@ -107,48 +107,45 @@ def from_bhsd(t: torch.Tensor, output_heads_first: bool) -> torch.Tensor:
 def scatter_heads(tensors, n: int, group) -> list[torch.Tensor]:
     """Ulysses forward: [B, H, S, D] sequence-sharded tensors (q, k, v) -> [B, H/n, n*S, D]
     head-sharded, contiguous (attention on strided inputs is slower than the copy that avoids it:
-    measured 4-6 % on PyTorch's CPU flash attention). All of them travel in one all-to-all; each
-    is copied once into the send buffer and once out of the receive buffer. They must be of one
-    shape."""
+    measured 4-6 % on PyTorch's CPU flash attention). All of them travel in one exchange
+    (``comm.Exchange``): each is copied once into the send buffer and once out of what arrived,
+    both in place where the ranks share memory. They must be of one shape."""
     b, h, s, d = tensors[0].shape
     if any(t.shape != tensors[0].shape for t in tensors):
         raise ValueError(f"Ulysses: one exchange for tensors of shapes {[tuple(t.shape) for t in tensors]}")
-    shape = (n, len(tensors), b, h // n, s, d)  # [n (destination / source chunk), tensor, B, H/n, S, D]
-    send, recv = comm.exchange_buffer(shape, tensors[0]), comm.exchange_buffer(shape, tensors[0])
+    count = len(tensors)
+    ex = comm.Exchange((n, count, b, h // n, s, d), tensors[0], group)  # [n (destination), tensor, B, H/n, S, D]
     for i, t in enumerate(tensors):
-        send[:, i].copy_(t.unflatten(1, (n, h // n)).transpose(0, 1))
-    comm.all_to_all_single(recv, send, group)
-    comm.release_exchange_buffer(send)
-    out = recv.new_empty(len(tensors), b, h // n, n, s, d)
-    out.copy_(recv.permute(1, 2, 3, 0, 4, 5))
-    comm.release_exchange_buffer(recv)
-    return list(out.view(len(tensors), b, h // n, n * s, d).unbind(0))
+        ex.send[:, i].copy_(t.unflatten(1, (n, h // n)).transpose(0, 1))
+    out = tensors[0].new_empty(count, b, h // n, n, s, d)
+    for j, chunk in enumerate(ex.run()):  # chunk j: [tensor, B, H/n, S, D], rank j's tokens
+        out[:, :, :, j].copy_(chunk)
+    ex.close()
+    return list(out.view(count, b, h // n, n * s, d).unbind(0))
 
 
 def gather_heads(out: torch.Tensor, n: int, group, layout: "JointLayout", output_heads_first: bool) -> torch.Tensor:
     """Ulysses backward: [B, H/n, n*S, D] head-sharded -> what the attention call returns,
     sequence-sharded and this rank's tokens only: [B, H, S, D] or [B, S, H*D]. Sent as [n
-    (destination chunk), S, B, H/n, D]: the memory order of attention's output where it is
-    [B, n*S, H/n, D] underneath (PyTorch's flash attention, a batch of 1), so that the send
-    needs no copy; one copy after it, the layout change itself."""
+    (destination chunk), S, B, H/n, D], the memory order of attention's output where it is
+    [B, n*S, H/n, D] underneath (PyTorch's flash attention, a batch of 1), so that filling the send
+    buffer is a plain copy, and no copy at all where it is sent as it is (NCCL); each arriving chunk
+    is copied once, into its heads' place."""
     b, hn, ns, d = out.shape
     s = ns // n
-    send = out.permute(2, 0, 1, 3)
-    pooled = not send.is_contiguous()
-    send = comm.exchange_buffer((ns, b, hn, d), out).copy_(send) if pooled else send
-    recv = comm.exchange_buffer((n, s, b, hn, d), out)
-    comm.all_to_all_single(recv, send.view(n, s, b, hn, d), group)  # [n (head group), S, B, H/n, D]
-    if pooled:
-        comm.release_exchange_buffer(send)
+    ex = comm.Exchange((n, s, b, hn, d), out, group, source=out.permute(2, 0, 1, 3))
+    chunks = ex.run()  # chunk j: [S, B, H/n, D], head group j
     if output_heads_first:
-        result = recv.new_empty(b, n, hn, s, d)
-        result.copy_(recv.permute(2, 0, 3, 1, 4))
+        result = out.new_empty(b, n, hn, s, d)
+        for j, chunk in enumerate(chunks):
+            result[:, j].copy_(chunk.permute(1, 2, 0, 3))
         result = layout.strip_local(result.view(b, n * hn, s, d), 2)
     else:
-        result = recv.new_empty(b, s, n, hn, d)
-        result.copy_(recv.permute(2, 1, 0, 3, 4))
+        result = out.new_empty(b, s, n, hn, d)
+        for j, chunk in enumerate(chunks):
+            result[:, :, j].copy_(chunk.permute(1, 0, 2, 3))
         result = layout.strip_local(result.view(b, s, n * hn * d), 1)
-    comm.release_exchange_buffer(recv)
+    ex.close()
     return result
 
 
