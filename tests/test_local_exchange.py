@@ -23,6 +23,7 @@ if case == "no_segment" and rank == world - 1:
     local_exchange.FOLDER = "/nonexistent-folder-for-this-test"
 report = {"rank": rank, "exact": [], "error": None}
 try:
+  if case != "in_place":
     for i, (numel, dtype) in enumerate([(world * 6, torch.float32), (world * 1000, torch.bfloat16),
                                         (world * 300_000, torch.float32), (world * 2, torch.int64)]):
         if case == "mismatch" and i == 1 and rank == 0:
@@ -35,6 +36,18 @@ try:
         report["exact"].append(bool(torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))))
 except RuntimeError as exc:
     report["error"] = str(exc)
+if case == "in_place":  # comm.Exchange: filled and read in place, a slow reader, halves in turn
+    import time
+    report["received"] = []
+    for i in range(7):
+        ex = comm.Exchange((world, 3, 5000), torch.empty(0), None)
+        for k in range(world):
+            ex.send[k].fill_(100 * rank + 10 * k + i)
+        chunks = ex.run()
+        if rank == 1:
+            time.sleep(0.05)  # the others run ahead to the next exchanges meanwhile
+        report["received"].append([sorted(set(c.flatten().tolist())) for c in chunks])
+        ex.close()
 ex = next(iter(local_exchange.EXCHANGES._groups.values()), None)
 report["shared"] = bool(ex is not None and ex.usable and ex.capacity > 0)
 report["capacity"] = ex.capacity if ex is not None else 0
@@ -105,3 +118,15 @@ def test_sizes_that_differ_across_ranks_fail_clearly():
     reports = run_ranks("mismatch", 2)
     for r in reports:
         assert r["error"] is not None and "different sizes" in r["error"], r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_in_place_exchanges_deliver_each_senders_chunk_while_a_reader_lags(world):
+    """comm.Exchange on CPU ranks: the send buffer is the rank's segment and what arrives is read in
+    the senders' segments. Rank 1 reads each exchange 50 ms late, while the others run on to the next
+    ones: with one half per segment they would overwrite what it has not read yet."""
+    reports = run_ranks("in_place", world)
+    for r in reports:
+        assert r["error"] is None and r["shared"]
+        for i, received in enumerate(r["received"]):
+            assert received == [[100 * j + 10 * r["rank"] + i] for j in range(world)], (r["rank"], i, received)

@@ -1,7 +1,7 @@
 """What a World reads from the environment: its timeouts and its knobs, in one place.
 
-Read when the module is imported (the timeouts) or at every use (the knobs), on rank 0. Tests
-that shorten a timeout set it here.
+Read when the module is imported (the timeouts) or at every use (the knobs), on rank 0, except
+``IDLE_TRIM_S``, which the CPU workers read. Tests that shorten a timeout set it here.
 """
 from __future__ import annotations
 
