@@ -261,6 +261,9 @@ def test_a_dynamically_loaded_module_travels_without_comfy_aimdos_per_process_st
     ops = comfy.ops.disable_weight_init
     torch.manual_seed(0)
     model = torch.nn.Sequential(ops.Linear(16, 32), torch.nn.GELU(), ops.Linear(32, 8)).float()
+    with torch.no_grad():  # disable_weight_init leaves them as the allocator found them (NaN at times)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
     model.dynamic_vbars = {torch.device("cpu"): (ctypes.c_uint * 4)()}
     for index, layer in enumerate((model[0], model[2])):
         layer.comfy_cast_weights = True  # as ModelPatcherDynamic.load sets it
