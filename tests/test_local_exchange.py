@@ -73,7 +73,7 @@ def run_ranks(case: str, world: int = 2, env=None) -> list[dict]:
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(REPO), case],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PARALLEL_SHM_EXCHANGE": "1", **(env or {})})
              for r in range(world)]
     reports = []
     for p in procs:
