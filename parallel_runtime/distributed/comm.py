@@ -25,7 +25,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .local_exchange import EXCHANGES as LOCAL_EXCHANGES
+from .local_exchange import EXCHANGES as LOCAL_EXCHANGES, enabled as local_exchange_enabled
 
 FORCE_ENV = "PARALLEL_FORCE_STAGING"
 _forced = threading.local()
@@ -403,7 +403,7 @@ def all_reduce(t: torch.Tensor, group=None) -> None:
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     if not staged(group, inp):
         # CPU ranks of one host: through shared memory (local_exchange), else gloo's / NCCL's own.
-        if backend_of(group) != "gloo" or not LOCAL_EXCHANGES.run(out, inp, group):
+        if not (local_exchange_enabled() and backend_of(group) == "gloo" and LOCAL_EXCHANGES.run(out, inp, group)):
             dist.all_to_all_single(out, inp, group=group)
         return
     host_in, host_out = _to_host(inp), _empty_host(out)
@@ -432,7 +432,7 @@ class Exchange:
             n_bytes *= d
         self.nbytes = n_bytes
         self._local = None
-        if backend_of(group) == "gloo" and not staged(group, like):
+        if local_exchange_enabled() and backend_of(group) == "gloo" and not staged(group, like):
             local = LOCAL_EXCHANGES.for_exchange(group, n_bytes, like.device)
             raw = local.send_buffer(n_bytes) if local is not None else None
             if raw is not None:
