@@ -15,7 +15,7 @@ half is written again.
 Used by ``comm.all_to_all_single`` for CPU tensors of a gloo group, when every rank of the group
 can map the others' segments (checked once per group, collectively: ranks on other hosts cannot,
 and the group keeps gloo). The result is bit for bit the one gloo's all-to-all gives (it only
-moves bytes). On with ``PARALLEL_SHM_EXCHANGE=1`` (off by default for now, see ``enabled``); exchanges larger than
+moves bytes). Off with ``PARALLEL_SHM_EXCHANGE=0``; exchanges larger than
 ``PARALLEL_SHM_EXCHANGE_CAP_MB`` (default 512) per rank keep gloo. On GPUs nothing changes: NCCL
 moves device tensors, and gloo's staged path keeps its host buffers.
 
@@ -49,10 +49,7 @@ def _path(token: int) -> str:
 
 
 def enabled() -> bool:
-    # Opt-in for now: with it on, tests/test_runtime.py's killed-worker test leaves one of rank 0's
-    # torch shared-memory files behind and its world takes the full shutdown grace to stop (not
-    # yet understood); gloo's own all-to-all is the default until that is found.
-    return os.environ.get(ENV, "0") not in ("0", "")
+    return os.environ.get(ENV, "1") not in ("0", "")
 
 
 def cap_bytes() -> int:

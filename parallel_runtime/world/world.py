@@ -268,7 +268,6 @@ class World(Dispatch):
             for w in self.workers:
                 self._wait_for_worker(w, deadline, died_on_their_own)
             self._close_rendezvous()
-            comm.clear_pools()  # the staging pool's pinned buffers and the exchange's (shared across worlds)
             log.info("parallel world stopped (%s)", reason)
 
     def _tell_workers_to_stop(self):
@@ -282,7 +281,10 @@ class World(Dispatch):
     def _leave_process_groups(self):
         """Leave the process group first: a worker still blocked in a collective with us then
         fails at once, releases its weights and exits, instead of waiting for a timeout. The
-        subgroups close their connections only once nothing references them."""
+        subgroups close their connections only once nothing references them: the kept buffers go
+        first, the shared-memory exchange's among them, which is keyed by its process groups (held,
+        they kept a worker blocked on us until the shutdown grace killed it, weights still mapped)."""
+        comm.clear_pools()
         self.mesh = None
         self.meshes.clear()
         self._process_groups.clear()
