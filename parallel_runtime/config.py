@@ -188,13 +188,22 @@ def parse_devices(spec: str, node: str = NODE, share: bool = False) -> list[str]
     return resolved
 
 
+def available_cores() -> list[int]:
+    """The cores this process may run on (a ``taskset`` or a cgroup's cpuset narrows them): what CPU
+    ranks may have, for the refusal of too many and for their threads (world/settings.py)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
 @dataclass(frozen=True)
 class HostDevices:
     """What the machine offers; taken from ComfyUI's own device choice."""
 
     main_device: str      # the device ComfyUI computes on (rank 0), e.g. "cpu" or "cuda:0"
     cuda_count: int = 0
-    cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
+    cpu_count: int = field(default_factory=lambda: len(available_cores()))
     nccl: bool = True     # torch was built with NCCL (not on native Windows, not in CPU-only builds)
     # Test-only (PARALLEL_SHARE_DEVICE=1): several ranks may share one GPU, through gloo (NCCL
     # refuses two ranks on one device). Checks memory, transport and exactness on one GPU.
@@ -228,8 +237,8 @@ def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE
             raise _fail("devices", typed, f"ComfyUI computes on {host.main_device}; start ComfyUI with --cpu "
                         "to run CPU ranks, or use 'auto'", node)
         if world_size > host.cpu_count:
-            raise _fail("devices", typed, f"the world size {world_size} needs {world_size} CPU ranks but this "
-                        f"machine has {host.cpu_count} cores; reduce the sizes to a product of at most "
+            raise _fail("devices", typed, f"the world size {world_size} needs {world_size} CPU ranks but ComfyUI "
+                        f"may run on {host.cpu_count} cores; reduce the sizes to a product of at most "
                         f"{host.cpu_count}, or list the CPU ranks explicitly (for example "
                         f"'{','.join(['cpu'] * world_size)}') to oversubscribe on purpose", node)
         return tuple(["cpu"] * world_size)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from ..config import available_cores
+
 
 def _env_seconds(name: str, default: float) -> float:
     try:
@@ -76,4 +78,4 @@ def cpu_threads_per_rank(world_size: int) -> int:
     env = os.environ.get("PARALLEL_CPU_THREADS_PER_RANK")
     if env and env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, (os.cpu_count() or 1) // world_size)
+    return max(1, len(available_cores()) // world_size)
