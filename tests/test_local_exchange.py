@@ -73,7 +73,8 @@ def run_ranks(case: str, world: int = 2, env=None) -> list[dict]:
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(REPO), case],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PARALLEL_SHM_EXCHANGE": "1", **(env or {})})
+                              env={**{k: v for k, v in os.environ.items() if k != "PARALLEL_SHM_EXCHANGE"},
+                                   "OMP_NUM_THREADS": "1", **(env or {})})  # the default unless env says
              for r in range(world)]
     reports = []
     for p in procs:
@@ -130,3 +131,13 @@ def test_in_place_exchanges_deliver_each_senders_chunk_while_a_reader_lags(world
         assert r["error"] is None and r["shared"]
         for i, received in enumerate(r["received"]):
             assert received == [[100 * j + 10 * r["rank"] + i] for j in range(world)], (r["rank"], i, received)
+
+
+def test_systems_that_cannot_reserve_a_segment_keep_gloo(monkeypatch):
+    """Without posix_fallocate (macOS, Windows) a segment could not be reserved up front: off."""
+    from parallel_runtime.distributed import local_exchange
+
+    monkeypatch.delenv("PARALLEL_SHM_EXCHANGE", raising=False)
+    assert local_exchange.enabled()
+    monkeypatch.delattr(local_exchange.os, "posix_fallocate")
+    assert not local_exchange.enabled()

@@ -49,7 +49,9 @@ def _path(token: int) -> str:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") not in ("0", "")
+    """On unless switched off, where the system can reserve a segment (``posix_fallocate``: Linux
+    and the other POSIX systems that have it; not macOS or Windows, whose CPU ranks keep gloo)."""
+    return hasattr(os, "posix_fallocate") and os.environ.get(ENV, "1") not in ("0", "")
 
 
 def cap_bytes() -> int:
