@@ -197,3 +197,18 @@ def test_the_readme_table_lists_every_input_with_its_default():
     for (name, optional, default), spec in zip(rows, CONFIG_INPUTS):
         shown = "empty" if spec.default == "" else str(spec.default) if spec.kind == "int" else f"`{spec.default}`"
         assert (default.strip(), bool(optional)) == (shown, spec.optional), name
+
+
+def test_cpu_ranks_share_the_cores_this_process_may_run_on(monkeypatch):
+    """Under ``taskset`` or a cpuset the threads per rank follow the cores left, not the machine's."""
+    from parallel_runtime import config
+    from parallel_runtime.world import settings
+
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {5, 3, 8, 9})
+    monkeypatch.delenv("PARALLEL_CPU_THREADS_PER_RANK", raising=False)
+    assert config.available_cores() == [3, 5, 8, 9]
+    assert HostDevices("cpu").cpu_count == 4
+    assert settings.cpu_threads_per_rank(2) == 2
+    assert settings.cpu_threads_per_rank(8) == 1
+    monkeypatch.setenv("PARALLEL_CPU_THREADS_PER_RANK", "3")
+    assert settings.cpu_threads_per_rank(2) == 3

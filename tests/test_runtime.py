@@ -85,21 +85,6 @@ def test_shared_weights_are_released_after_worlds_end_even_when_a_worker_was_kil
     assert set(our_files()) - before == set()
 
 
-def test_cpu_ranks_share_the_cores_this_process_may_run_on(monkeypatch):
-    """Under ``taskset`` or a cpuset the threads per rank follow the cores left, not the machine's."""
-    from parallel_runtime import config
-    from parallel_runtime.world import settings
-
-    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {5, 3, 8, 9})
-    monkeypatch.delenv("PARALLEL_CPU_THREADS_PER_RANK", raising=False)
-    assert config.available_cores() == [3, 5, 8, 9]
-    assert HostDevices("cpu").cpu_count == 4
-    assert settings.cpu_threads_per_rank(2) == 2
-    assert settings.cpu_threads_per_rank(8) == 1
-    monkeypatch.setenv("PARALLEL_CPU_THREADS_PER_RANK", "3")
-    assert settings.cpu_threads_per_rank(2) == 3
-
-
 class _FakeProc:
     def __init__(self, code, pid):
         self.code, self.pid = code, pid

@@ -198,9 +198,10 @@ class _Exchanges:
 
     def for_exchange(self, group, nbytes: int, device: torch.device) -> _GroupExchange | None:
         """The group's exchange, for an all-to-all of ``nbytes`` a rank, or None where this one must go
-        through gloo (decided alike on every rank: the switch, the size and the group's segments
-        are the same everywhere). The caller then takes ``send_buffer`` (None there too: gloo)."""
-        if not enabled() or device.type != "cpu" or nbytes > cap_bytes():
+        through gloo (decided alike on every rank: the size and the group's segments are the same
+        everywhere; the caller, comm, has asked ``enabled()`` first). The caller then takes
+        ``send_buffer`` (None there too: gloo)."""
+        if device.type != "cpu" or nbytes > cap_bytes():
             return None
         key = group if group is not None else dist.group.WORLD
         with self._lock:
