@@ -48,7 +48,7 @@ if platform.machine() in ("aarch64", "arm64"):
 else:
     TORCH_PINS = ["torch==2.14.1", "torchvision==0.29.1"]
 # Imported by ComfyUI or by our tests but not listed in its requirements.txt.
-EXTRA_PACKAGES = ["requests", "psutil", "pytest", "websocket-client", "selenium"]
+EXTRA_PACKAGES = ["requests", "psutil", "pytest", "pytest-xdist", "websocket-client", "selenium"]
 # ComfyUI-GGUF (city96, Apache-2.0), copied unchanged into custom_nodes/ as a user installs it, and the
 # package it imports (its requirements.txt asks for gguf>=0.13.0; pinned to the release the tests use).
 GGUF_NODES = THIRDPARTY / "ComfyUI-GGUF"
