@@ -11,6 +11,9 @@ threads) and on the scenario's mesh (this process as rank 0 plus worker
 processes, the real runtime path), alternating step by step, and writes one JSON
 record per line. On the CPU every rank gets ``--threads-per-rank`` threads
 (default 1), so world size N against world size 1 mirrors N GPUs against one.
+With ``--peers`` each scenario is also timed the way the peers' harness times them, each
+world size's steps back to back (the record's ``consecutive``): the figures to compare their
+steps with.
 """
 from __future__ import annotations
 
@@ -96,7 +99,11 @@ def mesh_config(scenario, device: str):
                                                                   share_devices=share_devices_requested()))
 
 
-def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dict:
+def run_scenario(scenario, device: str, threads: int, repeat: int | None, consecutive: bool = False) -> dict:
+    """World size 1 and the scenario's mesh, timed in turn. ``consecutive`` (``--peers``): then also
+    ``repeat`` one-rank steps in a row and ``repeat`` mesh steps in a row, the way the peers'
+    harness times each world size (``bench/peer_worker.py``: a world's steps back to back, its ranks
+    never idle between them): the figures a step is compared with theirs by."""
     import torch
 
     from measure import Timer, count_comm_bytes, peak_rss, summary
@@ -150,6 +157,10 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
                 ms, out = timer.time_ms(forward)
                 samples.append(ms)
                 dispatch.append(world.last_dispatch)
+            together = {}
+            if consecutive:
+                together = {"world1": [timer.time_ms(one_rank)[0] for _ in range(repeat)],
+                            "step": [timer.time_ms(forward)[0] for _ in range(repeat)]}
             with count_comm_bytes() as comm:
                 forward()
         err = (out.float() - reference.float()).abs().max().item()
@@ -190,6 +201,11 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None) -> dic
         "activation_peak_bytes_per_rank": activation, "activation_peak_bytes_world1": base_activation,
         "max_abs_err": err, "repeat": repeat, "notes": scenario.notes,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **({"consecutive": {"world1_ms_median": round(summary(together["world1"])["median"], 2),
+                            "step_ms_median": round(summary(together["step"])["median"], 2),
+                            "speedup_vs_world1": round(summary(together["world1"])["median"]
+                                                       / summary(together["step"])["median"], 3)}}
+           if together else {}),
     }
 
 
@@ -332,9 +348,15 @@ def run_one(scenario, opts) -> tuple[dict, list[str]]:
                                                                      opts.repeat)
         return record, report(record)
     run = run_compiled_scenario if scenario.extra.get("compile") else run_scenario
-    record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat)
-    return record, [f"{record['step_ms_median']:.1f} ms vs {record['world1_ms_median']:.1f} ms on one rank: "
-                    f"{record['speedup_vs_world1']:.2f}x, err {record['max_abs_err']:.1e}"]
+    extra = {"consecutive": True} if opts.peers and run is run_scenario else {}
+    record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat, **extra)
+    lines = [f"{record['step_ms_median']:.1f} ms vs {record['world1_ms_median']:.1f} ms on one rank: "
+             f"{record['speedup_vs_world1']:.2f}x, err {record['max_abs_err']:.1e}"]
+    if "consecutive" in record:
+        c = record["consecutive"]
+        lines.append(f"back to back, as the peers are timed: {c['step_ms_median']:.1f} ms vs "
+                     f"{c['world1_ms_median']:.1f} ms on one rank: {c['speedup_vs_world1']:.2f}x")
+    return record, lines
 
 
 def main() -> int:

@@ -26,6 +26,22 @@ def test_smoke_scenario_writes_a_valid_record(tmp_path):
     assert record["step_ms_min"] <= record["step_ms_median"] <= record["step_ms_max"]
     assert record["max_abs_err"] <= 1e-5 and record["comm_bytes_per_step"] > 0
     assert 0 < record["param_bytes_per_rank_max"] and record["rss_bytes_per_rank_max"] > record["param_bytes_per_rank_max"]
+    assert "consecutive" not in record  # only with --peers
+
+
+def test_with_the_peers_each_world_size_is_also_timed_back_to_back():
+    """run.py --peers: beside the alternated figures, each world size's steps in a row, as the peers'
+    harness times theirs (their ranks never idle between steps)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import run
+    import scenarios
+
+    (scenario,) = scenarios.select("none", ["smoke_flux_ulysses2"])
+    record = run.run_scenario(scenario, "cpu", 1, 2, consecutive=True)
+    together = record["consecutive"]
+    assert together["world1_ms_median"] > 0 and together["step_ms_median"] > 0
+    assert abs(together["speedup_vs_world1"] - together["world1_ms_median"] / together["step_ms_median"]) < 2e-3
+    assert record["max_abs_err"] <= 1e-5
 
 
 def _record(speedup, world1_ms, round_, peer=None, failure=None):
