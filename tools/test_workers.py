@@ -12,7 +12,6 @@ packages are known.
 from __future__ import annotations
 
 import os
-import sys
 
 ENV = "PARALLEL_TEST_WORKERS"
 GIB_PER_WORKER = 6
@@ -47,4 +46,3 @@ def test_workers(environ=os.environ) -> int:
 
 if __name__ == "__main__":
     print(test_workers())
-    sys.exit(0)
