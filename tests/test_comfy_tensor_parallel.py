@@ -39,7 +39,14 @@ def test_tp2_with_lora_and_a_changed_strength(tiny_server, tiny_prompt):
 
 
 def free_every_rank(server) -> list[int]:
-    """ComfyUI's /free (unload models), then what each rank still holds once it has reached them."""
+    """ComfyUI's /free (unload models), then what each rank still holds once it has reached them.
+
+    Only when a rank holds something: ComfyUI acts on /free's flags when its prompt worker next
+    wakes, and a prompt queued right after it can win that race, so the flags would unload the
+    prompt's own models once it ends (its ranks then report nothing held). With weights held,
+    the wait below sees the unload happen before it returns."""
+    if not any(r["param_bytes"] for r in status(server)["ranks"]):
+        return [0 for _ in status(server)["ranks"]]
     server.post("/free", {"unload_models": True, "free_memory": True})
     deadline = time.monotonic() + 30
     while any(r["param_bytes"] for r in status(server)["ranks"]) and time.monotonic() < deadline:
