@@ -90,3 +90,29 @@ def peak_rss(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def minor_faults(pid: int) -> int | None:
+    """Minor page faults of process ``pid`` since it started (Linux ``/proc/<pid>/stat``, every
+    thread's), or None where that cannot be read. A step's count is the difference around it: a
+    page a heap hands out afresh is faulted in one at a time (bench/results/ulysses2_breakdown_*:
+    120-158k a one-rank ``flux_ulysses2`` step under glibc's default heap, about 4 % of it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        return int(after_name[7])  # state, ppid, pgrp, session, tty_nr, tpgid, flags, minflt
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def faults_during(pids: list[int], fn):
+    """``fn()``'s result and each process's minor faults while it ran (None where unreadable)."""
+    before = [minor_faults(p) for p in pids]
+    out = fn()
+    after = [minor_faults(p) for p in pids]
+    return out, [None if a is None or b is None else a - b for b, a in zip(before, after)]
+
+
+def median_count(counts: list[int | None]) -> int | None:
+    """The median of per-step counts, None when any was unreadable."""
+    return None if not counts or any(c is None for c in counts) else int(statistics.median(counts))

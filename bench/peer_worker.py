@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from measure import nbytes, peak_rss  # bench/ is on the path: torchrun runs this file from there
+from measure import faults_during, median_count, nbytes, peak_rss  # bench/ is on the path: torchrun runs this file from there
 
 
 class CommCounter(TorchDispatchMode):
@@ -187,16 +187,21 @@ def run(opts) -> dict:
     def forward():
         return model(**inputs, return_dict=False)[0]
 
-    samples, cpu_ms = [], []
+    def timed():
+        started, cpu_started = time.perf_counter(), time.process_time()
+        out = forward()
+        return out, (time.perf_counter() - started) * 1e3, (time.process_time() - cpu_started) * 1e3
+
+    samples, cpu_ms, faults = [], [], []
     with torch.inference_mode():
         out = forward()  # warm-up
         for _ in range(opts.repeat):
             if world > 1:
                 dist.barrier()  # all ranks start the step together, as one sampler step would
-            started, cpu_started = time.perf_counter(), time.process_time()
-            out = forward()
-            samples.append((time.perf_counter() - started) * 1e3)
-            cpu_ms.append((time.process_time() - cpu_started) * 1e3)
+            (out, ms, cpu), (fault,) = faults_during([os.getpid()], timed)
+            samples.append(ms)
+            cpu_ms.append(cpu)
+            faults.append(fault)
         comm = None
         if world > 1:
             dist.barrier()
@@ -216,14 +221,15 @@ def run(opts) -> dict:
     if opts.reference:
         reference = torch.load(opts.reference)
         result["max_abs_err"] = (out.float() - reference.float()).abs().max().item()
-    rss = peak_rss(os.getpid())
+    rss, fault = peak_rss(os.getpid()), median_count(faults)
     if world > 1:
         every = [None] * world
-        dist.all_gather_object(every, rss)
-        rss = every
+        dist.all_gather_object(every, (rss, fault))
+        rss, fault = [list(column) for column in zip(*every)]
     else:
-        rss = [rss]
+        rss, fault = [rss], [fault]
     result["rss_bytes_per_rank"] = rss
+    result["minor_faults_per_rank_median"] = fault  # each rank's page faults a step (bench/measure.py)
     result["rss_bytes_per_rank_max"] = max((r for r in rss if r is not None), default=None)
     return result
 

@@ -247,6 +247,8 @@ def _record(peer: str, case: dict, threads: int, repeat: int, base: dict, par: d
         "comm_bytes_per_step": par.get("comm_bytes_per_step"),
         "collective_calls_per_step": par.get("collective_calls_per_step"),
         "max_abs_err": par.get("max_abs_err"),
+        "world1_minor_faults_median": (base.get("minor_faults_per_rank_median") or [None])[0],
+        "minor_faults_per_rank_median": par.get("minor_faults_per_rank_median"),
     })
     notes = [n for n in (base.get("exit_note"), par.get("exit_note")) if n]
     if notes:

@@ -72,16 +72,21 @@ def comparison(records: list[dict]) -> str:
     def med(by_round, key):
         return median([r[key] for r in by_round.values()])
 
+    def faults(by_round):  # the world-1 step's page faults, round by round (records before 11-27 lack them)
+        counts = [by_round[k].get("world1_minor_faults_median") if k in by_round else None for k in rounds]
+        return " / ".join("?" if c is None else str(c) for c in counts)
+
     mine = med(runs["this pack"], "speedup_vs_world1")
     rows = ["| Ulysses 2, world size 2 vs 1 | " + " | ".join(f"round {k}" for k in rounds)
-            + " | median speedup | ours / theirs | median world-1 step | median world-2 step |",
-            "|---|" + "---|" * (len(rounds) + 4)]
+            + " | median speedup | ours / theirs | median world-1 step | median world-2 step "
+            "| world-1 page faults a step, by round |",
+            "|---|" + "---|" * (len(rounds) + 5)]
     for name, by_round in runs.items():
         speedup = med(by_round, "speedup_vs_world1")
         cells = " | ".join(f"{by_round[k]['speedup_vs_world1']:.2f}x" if k in by_round else "failed" for k in rounds)
         ratio = "" if name == "this pack" else f"{mine / speedup:.3f}"
         rows.append(f"| {name} | {cells} | {speedup:.2f}x | {ratio} | {med(by_round, 'world1_ms_median'):.0f} ms "
-                    f"| {med(by_round, 'step_ms_median'):.0f} ms |")
+                    f"| {med(by_round, 'step_ms_median'):.0f} ms | {faults(by_round)} |")
     return "\n".join(rows)
 
 

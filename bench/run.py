@@ -106,7 +106,7 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None, consec
     never idle between them): the figures a step is compared with theirs by."""
     import torch
 
-    from measure import Timer, count_comm_bytes, peak_rss, summary
+    from measure import Timer, count_comm_bytes, faults_during, median_count, peak_rss, summary
     from scenarios import scenario_call
     from parallel_runtime.world.memory import process_memory, release_free_heap
     from parallel_runtime.world.runtime import Runtime
@@ -151,18 +151,25 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None, consec
             activation = activation_peaks(pids, forward)
             # One rank and the mesh in turn (the workers idle during the former), so that a shared
             # machine's slow moments fall on both alike.
-            base_samples, samples, dispatch = [], [], []
+            # Each step's page faults too, per process (read outside the timed call): the one-rank
+            # step's depend on the heap's state (bench/results/ulysses2_breakdown_*, seventh session).
+            base_samples, samples, dispatch, base_faults, faults = [], [], [], [], []
             for _ in range(repeat):
-                base_samples.append(timer.time_ms(one_rank)[0])
-                ms, out = timer.time_ms(forward)
+                (ms, _), (fault,) = faults_during([os.getpid()], lambda: timer.time_ms(one_rank))
+                base_samples.append(ms)
+                base_faults.append(fault)
+                (ms, out), per_rank = faults_during(pids, lambda: timer.time_ms(forward))
                 samples.append(ms)
+                faults.append(per_rank)
                 dispatch.append(world.last_dispatch)
             together = {}
             if consecutive:
-                world1_ms = summary([timer.time_ms(one_rank)[0] for _ in range(repeat)])["median"]
+                timed = [faults_during([os.getpid()], lambda: timer.time_ms(one_rank)) for _ in range(repeat)]
+                world1_ms = summary([ms for (ms, _), _ in timed])["median"]
                 step_ms = summary([timer.time_ms(forward)[0] for _ in range(repeat)])["median"]
                 together = {"world1_ms_median": round(world1_ms, 2), "step_ms_median": round(step_ms, 2),
-                            "speedup_vs_world1": round(world1_ms / step_ms, 3)}
+                            "speedup_vs_world1": round(world1_ms / step_ms, 3),
+                            "world1_minor_faults_median": median_count([f for _, (f,) in timed])}
             with count_comm_bytes() as comm:
                 forward()
         err = (out.float() - reference.float()).abs().max().item()
@@ -202,6 +209,8 @@ def run_scenario(scenario, device: str, threads: int, repeat: int | None, consec
         "dispatch_overhead_ms": round(dispatch_ms, 3),
         "activation_peak_bytes_per_rank": activation, "activation_peak_bytes_world1": base_activation,
         "max_abs_err": err, "repeat": repeat, "notes": scenario.notes,
+        "world1_minor_faults_median": median_count(base_faults),
+        "minor_faults_per_rank_median": [median_count(column) for column in zip(*faults)],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         **({"consecutive": together} if together else {}),
     }
@@ -350,6 +359,9 @@ def run_one(scenario, opts) -> tuple[dict, list[str]]:
     record = run(scenario, opts.device, opts.threads_per_rank, opts.repeat, **extra)
     lines = [f"{record['step_ms_median']:.1f} ms vs {record['world1_ms_median']:.1f} ms on one rank: "
              f"{record['speedup_vs_world1']:.2f}x, err {record['max_abs_err']:.1e}"]
+    if record.get("world1_minor_faults_median") is not None:
+        lines.append(f"page faults a step: {record['world1_minor_faults_median']} on one rank, "
+                     f"{record['minor_faults_per_rank_median']} per rank")
     if "consecutive" in record:
         c = record["consecutive"]
         lines.append(f"back to back, as the peers are timed: {c['step_ms_median']:.1f} ms vs "

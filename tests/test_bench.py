@@ -1,7 +1,10 @@
 """The benchmark suite's smallest scenario produces a complete, valid record."""
 import json
+import mmap
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +30,39 @@ def test_smoke_scenario_writes_a_valid_record(tmp_path):
     assert record["max_abs_err"] <= 1e-5 and record["comm_bytes_per_step"] > 0
     assert 0 < record["param_bytes_per_rank_max"] and record["rss_bytes_per_rank_max"] > record["param_bytes_per_rank_max"]
     assert "consecutive" not in record  # only with --peers
+    # Each step's page faults, per process: the one-rank step's and each rank's in the world step.
+    assert isinstance(record["world1_minor_faults_median"], int) and record["world1_minor_faults_median"] >= 0
+    assert len(record["minor_faults_per_rank_median"]) == 2
+    assert all(isinstance(f, int) and f >= 0 for f in record["minor_faults_per_rank_median"])
+
+
+def test_page_faults_are_counted_for_the_process_that_takes_them():
+    """bench/measure.faults_during: a step's page faults, per process (the one-rank step's faults
+    move its time by a few per cent: bench/results/ulysses2_breakdown_*, seventh session)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import measure
+
+    size = 64 << 20
+
+    def touch_fresh_pages():
+        buf = mmap.mmap(-1, size)
+        for offset in range(0, size, 4096):
+            buf[offset] = 1
+        buf.close()
+        return "done"
+
+    idle = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        time.sleep(1.0)  # past its start-up
+        out, (mine, its) = measure.faults_during([os.getpid(), idle.pid], touch_fresh_pages)
+    finally:
+        idle.stdin.close()
+        idle.wait(10)
+    assert out == "done"
+    assert mine >= size // (2 << 20)  # one a page touched, or one a huge page where the kernel gives those
+    assert its < 100  # the idle process took none of them
+    assert measure.minor_faults(idle.pid) is None  # gone: unreadable, not a number
+    assert measure.median_count([3, 1, 2]) == 2 and measure.median_count([3, None]) is None
 
 
 def test_with_the_peers_each_world_size_is_also_timed_back_to_back():
@@ -68,6 +104,11 @@ def test_comparison_takes_medians_over_rounds_and_skips_failed_ones():
     assert rows["this pack"][:4] == ["1.60x", "1.90x", "1.80x", "1.80x"]
     assert rows["peer A"][:4] == ["1.50x", "failed", "1.70x", "1.60x"]
     assert rows["peer A"][4] == f"{1.8 / 1.6:.3f}"
+    assert rows["this pack"][-1] == "? / ? / ?"  # records without the page-fault counts
+    with_faults = [{**r, "world1_minor_faults_median": 1000 * r["round"]} for r in records]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in plots.comparison(with_faults).splitlines()[2:]}
+    assert rows["this pack"][-1] == "1000 / 2000 / 3000" and rows["peer A"][-1] == "1000 / ? / 3000"
     table = plots.table(records)
     assert "failed: SIGABRT" in table and table.count("flux_ulysses2 (round") == 3
 
