@@ -182,6 +182,20 @@ def check_every_family(world, built, cases, tol: float, compile=None, forwards: 
     return checked
 
 
+def counted_forwards(world, at_least: list[int], timeout: float = 10.0) -> list[int]:
+    """Each rank's forward count once every rank has counted ``at_least`` (or the timeout passed).
+    A worker counts its forward after its part of the output has left it, so rank 0 can return
+    from ``world.forward`` and read the status a moment before the last worker's count lands."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = [r["forwards"] for r in world.status()["ranks"]]
+        if all(c >= n for c, n in zip(counts, at_least)) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
+
+
 # Parameters that name the layout a server-level test runs in (its Parallel Config).
 LAYOUT_PARAMS = ("layout", "hybrid", "parallel")
 

@@ -2,12 +2,11 @@
 or by IPC handles (one host without NCCL), forced with PARALLEL_WEIGHT_TRANSPORT; staged
 point-to-point transfers (gloo on CUDA), forced with PARALLEL_FORCE_STAGING. Every rank runs
 the code a GPU runs; each result is compared with one process in fp32."""
-import time
 
 import pytest
 import torch
 
-from conftest import VersionedSource
+from conftest import VersionedSource, counted_forwards
 from parallel_runtime.config import HostDevices, build_config
 from parallel_runtime.plans import find_plan
 from parallel_runtime.weights.shards import build_shard, named_tensors, shard_nbytes
@@ -145,9 +144,7 @@ def test_no_staging_buffer_stays_pinned_after_a_weight_send_or_the_world(comfyui
         assert comm.HOST.pinned_total > 0, "the send did not go through the pinned staging buffers"
         assert pools() == [(0, 0), (0, 0)]
         run(world, model, wan_inputs(), source)  # Ulysses' all-to-alls, staged: a working set stays
-        deadline = time.monotonic() + 10  # rank 1 publishes its row after its own forward ends
-        while world.status()["ranks"][1]["forwards"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        counted_forwards(world, [1, 1])  # rank 1 publishes its row after its own forward ends
         after_forward = pools()
         assert all(0 < kept <= 64 * 2**20 and pinned >= kept for pinned, kept in after_forward), after_forward
         source.number += 1  # a new version: sent again
