@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from test_comfy_e2e import edited, final_latent, status
+from test_comfy_e2e import edited, final_latent, settled_status, status
 from tiny_families import family_prompt
 from workflows import find_nodes, remove_passthrough
 
@@ -90,7 +90,7 @@ def graphs(tiny_prompt: dict, parallel: dict, family):
 def test_compiled_layout_equals_eager_unsharded(tiny_server, tiny_prompt, layout):
     parallel, before_shard, family = LAYOUTS[layout]
     sharded, eager_unsharded = graphs(tiny_prompt, parallel, family)
-    before = status(tiny_server)["ranks"]
+    before = settled_status(tiny_server)["ranks"]
     reference = final_latent(tiny_server, eager_unsharded)
     with StatusPoller(tiny_server) as seen:
         result = final_latent(tiny_server, compiled(sharded, before_shard))
@@ -98,7 +98,7 @@ def test_compiled_layout_equals_eager_unsharded(tiny_server, tiny_prompt, layout
     rel = err / reference.abs().max().item()
     print(f"\ntiny {family or 'Wan workflow'}, compiled ({'before' if before_shard else 'after'} the shard node), "
           f"{parallel}: max abs err {err:.2e}, relative {rel:.2e}")
-    info = status(tiny_server)
+    info = settled_status(tiny_server)
     ranks = info["ranks"]
     same_world = len(before) == len(ranks) and all(b["pid"] == a["pid"] for a, b in zip(ranks, before))
     delta = {k: [a[k] - (b[k] if same_world else 0) for a, b in zip(ranks, before if same_world else ranks)]
@@ -119,9 +119,9 @@ def test_compiled_layout_equals_eager_unsharded(tiny_server, tiny_prompt, layout
 def test_a_new_prompt_of_the_same_size_compiles_nothing(tiny_server, tiny_prompt):
     sharded = compiled(edited(tiny_prompt, ParallelConfig={"ulysses_size": 2}), before_shard=True)
     tiny_server.run(edited(sharded, KSampler={"seed": 1}), timeout=300)  # compiles, unless an earlier test did
-    before = status(tiny_server)["ranks"]
+    before = settled_status(tiny_server)["ranks"]
     tiny_server.run(edited(sharded, KSampler={"seed": 2}), timeout=300)
-    after = status(tiny_server)["ranks"]
+    after = settled_status(tiny_server)["ranks"]
     assert [r["pid"] for r in after] == [r["pid"] for r in before]
     assert [a["forwards"] - b["forwards"] for a, b in zip(after, before)] == [3, 3]
     assert [a["compiles"] - b["compiles"] for a, b in zip(after, before)] == [0, 0]

@@ -26,6 +26,21 @@ def status(server) -> dict:
     return server.get("/parallel/status")
 
 
+def settled_status(server, quiet_s: float = 0.3, timeout: float = 10.0) -> dict:
+    """/parallel/status once no rank's forward count moved over ``quiet_s``: a worker counts its
+    forward after its part of the output has left it, so a prompt can end a moment before the last
+    worker's count lands. For tests that compare counts exactly."""
+    deadline = time.monotonic() + timeout
+    last = status(server)
+    while True:
+        time.sleep(quiet_s)
+        now = status(server)
+        if [r["forwards"] for r in now["ranks"]] == [r["forwards"] for r in last["ranks"]] \
+                or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 @pytest.mark.smoke
 def test_sharded_workflow_equals_unsharded(tiny_server, tiny_prompt):
     """Ulysses 2 on 2 ranks, stock KSampler at cfg 3, one LoRA before and one after the node."""

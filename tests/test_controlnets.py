@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_comfy_e2e import status
+from test_comfy_e2e import settled_status, status
 from test_comfy_families import final_latents, max_error
 from test_comfy_gguf_loaders import NARROW_FLUX, flux_heads_detected
 from tiny_families import FAMILIES, family_prompt
@@ -56,9 +56,9 @@ def test_the_workers_run_the_controlnet(tiny_server):
     """Under Ulysses 2 rank 1 runs a forward of the ControlNet before each of the transformer: twice the
     forwards of the same graph without it (it ran its share; on rank 0 alone it would count none)."""
     def forwards(prompt) -> int:
-        before = status(tiny_server)["ranks"][1]["forwards"]
+        before = settled_status(tiny_server)["ranks"][1]["forwards"]
         final_latents(tiny_server, prompt)
-        return status(tiny_server)["ranks"][1]["forwards"] - before
+        return settled_status(tiny_server)["ranks"][1]["forwards"] - before
 
     def seeded(prompt, seed):  # a prompt ComfyUI has not run yet (it would serve a repeat from its cache)
         prompt["7"]["inputs"]["seed"] = seed

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_comfy_e2e import status
+from test_comfy_e2e import settled_status, status
 from tiny_families import FAMILIES, family_prompt
 
 pytestmark = pytest.mark.multirank
@@ -53,7 +53,7 @@ def cache_prompt(family: str, parallel: dict | None, node: str | None, place: st
 
 
 def forwards(server) -> list[tuple[int, int]]:
-    return [(r["pid"], r["forwards"]) for r in status(server)["ranks"]]
+    return [(r["pid"], r["forwards"]) for r in settled_status(server)["ranks"]]
 
 
 def run(server, prompt) -> tuple[torch.Tensor, int | None, list[int]]:
