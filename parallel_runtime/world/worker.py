@@ -1,4 +1,5 @@
-"""A worker rank (1..N-1), started by rank 0 with ``python -m parallel_runtime.world.worker`` (spawn.py).
+"""A worker rank (1..N-1), started by rank 0 with ``python -m parallel_runtime.world.worker`` or
+forked from the fork server that imported this module (spawn.py, forkserver.py).
 
 It reads its bootstrap from stdin, puts the ComfyUI root first on ``sys.path`` (the pack root
 last) and sets ``comfy.cli_args.args`` before anything imports ``comfy`` (nothing of the runtime
@@ -108,7 +109,12 @@ def alias_rank0_package(name: str | None) -> None:
 
 
 def main() -> int:
-    boot = json.loads(sys.stdin.readline())
+    """A spawned worker: its bootstrap comes on stdin."""
+    return run(json.loads(sys.stdin.readline()))
+
+
+def run(boot: dict) -> int:
+    """Serve as the worker ``boot`` describes (spawned, or forked by the fork server) until told to stop."""
     # The test fake of NCCL's abort (comm.FAKE_ABORT_ENV) is rank 0's: only rank 0 aborts.
     os.environ.pop("PARALLEL_TEST_NCCL_ABORT", None)
     rank = boot["rank"]

@@ -37,7 +37,7 @@ from . import memory, protocol, settings
 from .cluster import listener_for, split_address
 from .dispatch import Dispatch
 from .memory import device_type, figures_from_row, process_memory, with_current
-from .spawn import PACK_ROOT, start_worker
+from .spawn import PACK_ROOT, start_local_worker
 from .watchdog import Watchdog, prepare_nccl_environment
 from .workers import WorkerFailure, WorldStartError, _Worker
 from ..config import MESH_DIMS, ParallelConfig
@@ -148,8 +148,7 @@ class World(Dispatch):
                 remote.setdefault(host, []).append(boot)
                 self.workers.append(_Worker(rank, self.config.devices[rank], None, host))
                 continue
-            proc = start_worker(boot, self.comfyui_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=False)
+            proc = start_local_worker(boot, self.comfyui_path, settings.STARTUP_TIMEOUT_S)
             self.workers.append(_Worker(rank, self.config.devices[rank], proc))
         for host, boots in remote.items():
             conn, _ = cluster.agent(host, settings.STARTUP_TIMEOUT_S)
