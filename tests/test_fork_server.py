@@ -94,16 +94,45 @@ def test_a_killed_forked_worker_is_reported_with_its_signal(comfyui_path, model,
         fresh.shutdown("test done")
 
 
-def test_another_environment_spawns_its_workers(comfyui_path, model, fresh_servers, monkeypatch):
+def test_another_environment_gets_another_fork_server_once_the_old_ones_workers_ended(comfyui_path, model,
+                                                                                      fresh_servers, monkeypatch):
     """The fork server imported the runtime under the environment it started with; a worker that
-    rank 0 starts under another one must read that one, so it is spawned."""
+    rank 0 starts under another one must read that one. While the fork server's workers live (it
+    cannot be replaced: they would end with it) the answer is to spawn; afterwards, a new fork server."""
     first = world_of(comfyui_path)
-    first.shutdown("test done")
-    monkeypatch.setenv("PARALLEL_SOME_SETTING", "1")
+    server = spawn._servers[comfyui_path]
+    try:
+        monkeypatch.setenv("PARALLEL_SOME_SETTING", "1")
+        assert spawn.fork_server(comfyui_path) is None  # a worker started now is spawned
+        assert server.proc.poll() is None and max_error(first, model) <= TOL
+    finally:
+        first.shutdown("test done")
     world = world_of(comfyui_path)
     try:
-        assert isinstance(world.workers[0].proc, subprocess.Popen)
-        assert parent_of(world.workers[0].pid) == os.getpid()
+        replaced = spawn._servers[comfyui_path]
+        assert replaced is not server and server.proc.poll() is not None
+        assert isinstance(world.workers[0].proc, spawn.ForkedWorker)
+        with open(f"/proc/{replaced.proc.pid}/environ", "rb") as f:
+            assert b"PARALLEL_SOME_SETTING=1" in f.read().split(b"\0")
+        assert max_error(world, model) <= TOL
+    finally:
+        world.shutdown("test done")
+
+
+def test_a_spawned_worker_joins_a_world_beside_forked_ones(comfyui_path, model, fresh_servers, monkeypatch):
+    """The two ways of starting a worker in one world: rank 1 spawned, ranks 2 and 3 forked."""
+    started = []
+    real = spawn.ForkServer.start
+
+    def first_refused(self, boot, timeout_s):
+        started.append(boot["rank"])
+        return None if boot["rank"] == 1 else real(self, boot, timeout_s)
+
+    monkeypatch.setattr(spawn.ForkServer, "start", first_refused)
+    world = world_of(comfyui_path, 4)
+    try:
+        assert started == [1, 2, 3]
+        assert [type(w.proc).__name__ for w in world.workers] == ["Popen", "ForkedWorker", "ForkedWorker"]
         assert max_error(world, model) <= TOL
     finally:
         world.shutdown("test done")

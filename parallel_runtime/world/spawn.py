@@ -11,9 +11,10 @@ read. Standard library only: the agent imports it without torch.
 
 On this host, rank 0 forks its workers from a fork server (``forkserver.py``): one process per
 ComfyUI process that imported torch and the worker's modules once, which saves each worker those
-imports (about 3 s of CPU). A worker that the fork server cannot give is spawned as above: when
-this process's environment differs from the one the fork server started with (the imports read
-it), when the fork server has touched CUDA (a forked child could not use it), or when
+imports (about 3 s of CPU). A fork server serves the environment it started with (the imports
+read it): when this process's changes, a new one replaces it once its workers have ended. A worker
+that no fork server can give is spawned as above: while the old fork server's workers still run,
+when the fork server has touched CUDA (a forked child could not use it), or with
 ``PARALLEL_FORK_SERVER=0``.
 """
 from __future__ import annotations
@@ -74,17 +75,22 @@ _servers_lock = threading.Lock()
 
 def fork_server(comfyui_root: str) -> "ForkServer | None":
     """This process's fork server for ``comfyui_root`` (started on first use), or None where
-    workers are to be spawned: switched off, or this environment is not the fork server's."""
+    workers are to be spawned: switched off, refused, or this environment is not the one the fork
+    server started with while workers it forked still run (otherwise it is replaced: a world
+    started after ``prepare_nccl_environment``, or after a change of settings, forks again)."""
     if os.environ.get(FORK_SERVER_ENV, "1").strip() == "0":
         return None
     env = worker_environment()
     with _servers_lock:
         server = _servers.get(comfyui_root)
-        if server is not None and not server.usable:
-            server = None  # it died or refused: a new one, if the environment allows
+        if server is not None and server.env != env and not server.busy:
+            server.close()  # started under another environment, and none of its workers lives on
+            server = None
+        if server is not None and server.lost:
+            server = None  # it died: a new one
         if server is None:
             server = _servers[comfyui_root] = ForkServer(comfyui_root, env)
-    return server if server.env == env else None
+    return server if server.env == env and server.usable else None
 
 
 def close_fork_servers() -> None:
@@ -179,6 +185,12 @@ class ForkServer:
     @property
     def usable(self) -> bool:
         return not self.lost and self.refused is None
+
+    @property
+    def busy(self) -> bool:
+        """Workers it forked still run (they would end with it)."""
+        with self._lock:
+            return bool(self._workers)
 
     def _read(self) -> None:
         try:
