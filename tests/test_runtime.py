@@ -46,6 +46,41 @@ def test_a_dead_worker_is_replaced_on_the_next_run(runtime):
     assert fresh is not world and fresh.healthy
 
 
+def test_a_worker_killed_between_two_forwards_of_a_prompt_fails_that_prompt(runtime, monkeypatch):
+    """Between two forwards of one ComfyUI prompt a dead worker is not replaced silently (that
+    would hide the OOM killer or a crash); the next prompt starts fresh workers."""
+    import torch
+
+    from parallel_runtime.plans import find_plan
+    from parallel_runtime.world import dispatch, memory, runtime as runtime_module
+    from parallel_runtime.world.workers import WorkerFailure
+    from tiny_models import TinyWan, build_wan_model
+
+    prompt = ["p1"]
+    monkeypatch.setattr(memory, "current_prompt", lambda: prompt[0])
+    monkeypatch.setattr(runtime_module, "current_prompt", lambda: prompt[0])
+    model = build_wan_model(TinyWan(), text_dim=64)
+    x, t, c = torch.randn(1, 16, 3, 10, 14), torch.tensor([1.0]), torch.randn(1, 7, 64)
+
+    def forward():
+        world = runtime.world_for(build_config(ulysses_size=2, host=CPU))
+        with torch.inference_mode():
+            return world, world.forward(model, find_plan(model), model._forward, (x, t, c), {"transformer_options": {}})
+
+    world, first = forward()
+    assert dispatch.memory is memory and world.last_prompt == "p1"
+    world.workers[0].proc.kill()
+    world.workers[0].proc.wait()
+    with pytest.raises(WorkerFailure, match=r"rank 1 \(cpu, pid \d+\) was killed by signal 9"):
+        forward()
+    assert world.state == "stopped" and runtime.world is None
+    assert "killed by signal 9" in runtime.status()["last_failure"]["message"]
+    prompt[0] = "p2"
+    fresh, again = forward()
+    assert fresh is not world and fresh.healthy
+    assert (again - first).abs().max().item() == 0
+
+
 def test_shared_weights_are_released_after_worlds_end_even_when_a_worker_was_killed(runtime, monkeypatch):
     """Every worker maps the weights' shared-memory files; a worker killed with SIGKILL
     never unmaps them. Once the model is gone on rank 0, no file may be left behind."""

@@ -206,6 +206,7 @@ class Dispatch:
         memory.PEAKS.sample(self.device)  # USS peak (CPU ranks)
         memory.PEAKS.sample_weights(memory.device_weight_bytes(self.device, self.copies.own_param_bytes_rank0))
         self.forwards += 1
+        self.last_prompt = prompt
         return out
 
     def _fail(self, exc: BaseException) -> str | None:

@@ -1,7 +1,8 @@
 """The process-wide runtime on rank 0: at most one live World, started lazily.
 
 Workers start on the first sharded run, stay up across prompts, are replaced
-when the config changes or a rank failed, and exit with ComfyUI.
+when the config changes or a rank failed, and exit with ComfyUI. A rank that dies in the middle
+of a prompt fails that prompt, between two forwards as during one.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import os
 import threading
 import time
 
-from .memory import process_memory
+from .memory import current_prompt, process_memory
+from .workers import WorkerFailure
 from .world import World
 from ..config import ParallelConfig
 
@@ -33,6 +35,13 @@ class Runtime:
             if world is not None:
                 if world.config == config and world.healthy:
                     return world
+                lost = world.lost_during(current_prompt())
+                if lost is not None:
+                    world.failure, world.state = lost, "failed"
+                    self.last_failure = {"time": time.time(), "message": lost}
+                    world.shutdown("a rank died during the prompt")
+                    self._world = None
+                    raise WorkerFailure(lost)
                 if world.state == "failed" and world.failure:
                     self.last_failure = {"time": time.time(), "message": world.failure}
                 reason = "config changed" if world.config != config else f"world {world.state}"

@@ -118,9 +118,15 @@ class ForkedWorker:
         self._exited.set()
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._server.lost and not _pid_exists(self.pid):
-            self._set_exit(-signal.SIGKILL)  # its exit went unreported: the fork server was gone
+        """Its exit code once it has ended, as soon as Popen's would say so: a child that has
+        ended but whose end is not reported yet (the fork server reaps it in a moment) waits for
+        that report, briefly."""
+        if self.returncode is None and _has_ended(self.pid):
+            if not self._exited.wait(self.REPORT_WAIT_S):
+                self._set_exit(-signal.SIGKILL)  # unreported: the fork server was gone
         return self.returncode
+
+    REPORT_WAIT_S = 5.0
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -145,14 +151,13 @@ class ForkedWorker:
         self._signal(signal.SIGTERM)
 
 
-def _pid_exists(pid: int) -> bool:
+def _has_ended(pid: int) -> bool:
+    """The process is gone or a zombie (Linux: its state in /proc)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return True
-    return True
 
 
 class ForkServer:

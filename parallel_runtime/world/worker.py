@@ -186,15 +186,19 @@ class _Server:
         """Rank 0's watchdog judges a long forward by whether the ranks progress: this rank's count
         of completed collectives goes to its row of the shared status table, every 50 ms."""
         field = protocol.STATUS_FIELDS.index("progress")
+        self._progress_stop = threading.Event()
+
+        def publish() -> None:  # holds the table only while it writes to it
+            table = self.status_table
+            if table is not None:
+                table[self.rank, field] = float(comm.PROGRESS.count)
 
         def loop():
-            while True:
-                table = self.status_table
-                if table is None:
-                    return
-                table[self.rank, field] = float(comm.PROGRESS.count)
-                time.sleep(0.05)
-        threading.Thread(target=loop, name="parallel-progress", daemon=True).start()
+            while not self._progress_stop.is_set():
+                publish()
+                self._progress_stop.wait(0.05)
+        self._progress = threading.Thread(target=loop, name="parallel-progress", daemon=True)
+        self._progress.start()
 
     def serve(self) -> None:
         while True:
@@ -214,7 +218,10 @@ class _Server:
         return self.conn.recv()
 
     def release(self) -> None:
-        """Unmap the shared weights and the status table, and tell rank 0 so."""
+        """Unmap the shared weights and the status table, and tell rank 0 so. The progress thread
+        stops first: a reference it held would keep the table mapped past the release."""
+        self._progress_stop.set()
+        self._progress.join(5)
         self.models.clear()
         self.status_table = None
         gc.collect()

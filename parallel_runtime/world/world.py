@@ -83,6 +83,7 @@ class World(Dispatch):
         self.auto = AutoLayouts(self)     # layout: auto, the layout chosen per model
         self.notes: list[str] = []        # what a user should know about this world's runs
         self.forwards = 0
+        self.last_prompt = None  # the ComfyUI prompt of the last forward (memory.current_prompt)
         self.ready_at: float | None = None
         # The first forward: its duration (weights sent included) and when it ended after the
         # workers were ready (ComfyUI's own model loading in between included).
@@ -337,6 +338,15 @@ class World(Dispatch):
     @property
     def healthy(self) -> bool:
         return self.state == "ready" and all(w.alive for w in self.workers)
+
+    def lost_during(self, prompt) -> str | None:
+        """Why this world cannot go on with ``prompt``: a rank died between two of the prompt's
+        forwards. Such a prompt fails, as when the rank dies during a forward: replacing the rank
+        in the middle of it would hide the death (the OOM killer, a crash)."""
+        if prompt is None or prompt != self.last_prompt or self.state != "ready":
+            return None
+        dead = [w for w in self.workers if not w.alive]
+        return "\n".join(self._death_report(w) for w in dead) or None
 
     def _explain_failure(self, exc: BaseException) -> str | None:
         """Which worker failed and why, if one did (waits briefly for its report).
