@@ -187,3 +187,19 @@ def test_the_workers_exit_with_their_fork_server_and_the_next_world_starts_anoth
         assert max_error(fresh, model) <= TOL
     finally:
         fresh.shutdown("test done")
+
+
+def test_a_fork_server_that_cannot_start_leaves_the_workers_spawned(comfyui_path, model, fresh_servers,
+                                                                   monkeypatch, caplog):
+    def cannot_start(*args, **kwargs):
+        raise OSError("no sequenced-packet sockets here")
+
+    monkeypatch.setattr(spawn, "ForkServer", cannot_start)
+    with caplog.at_level(logging.WARNING, logger="parallel"):
+        world = world_of(comfyui_path)
+    try:
+        assert isinstance(world.workers[0].proc, subprocess.Popen) and not spawn._servers
+        assert "could not start the worker fork server (no sequenced-packet sockets here)" in caplog.text
+        assert max_error(world, model) <= TOL
+    finally:
+        world.shutdown("test done")

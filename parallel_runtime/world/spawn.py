@@ -40,6 +40,9 @@ FORK_SERVER_ENV = "PARALLEL_FORK_SERVER"  # "0": spawn every worker
 
 log = logging.getLogger("parallel")
 
+# Linux: fork, a sequenced-packet Unix socket that carries file descriptors, /proc for exits.
+FORKS_HERE = sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(socket, "SOCK_SEQPACKET")
+
 
 def worker_environment(pack_root: Path = PACK_ROOT) -> dict[str, str]:
     """This process's environment with the pack root on PYTHONPATH, ahead of what was there."""
@@ -78,7 +81,7 @@ def fork_server(comfyui_root: str) -> "ForkServer | None":
     workers are to be spawned: switched off, refused, or this environment is not the one the fork
     server started with while workers it forked still run (otherwise it is replaced: a world
     started after ``prepare_nccl_environment``, or after a change of settings, forks again)."""
-    if os.environ.get(FORK_SERVER_ENV, "1").strip() == "0":
+    if os.environ.get(FORK_SERVER_ENV, "1").strip() == "0" or not FORKS_HERE:
         return None
     env = worker_environment()
     with _servers_lock:
@@ -89,7 +92,12 @@ def fork_server(comfyui_root: str) -> "ForkServer | None":
         if server is not None and server.lost:
             server = None  # it died: a new one
         if server is None:
-            server = _servers[comfyui_root] = ForkServer(comfyui_root, env)
+            try:
+                server = ForkServer(comfyui_root, env)
+            except OSError as exc:
+                log.warning("could not start the worker fork server (%s); spawning workers instead", exc)
+                return None
+            _servers[comfyui_root] = server
     return server if server.env == env and server.usable else None
 
 

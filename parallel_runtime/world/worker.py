@@ -186,7 +186,7 @@ class _Server:
         """Rank 0's watchdog judges a long forward by whether the ranks progress: this rank's count
         of completed collectives goes to its row of the shared status table, every 50 ms."""
         field = protocol.STATUS_FIELDS.index("progress")
-        self._progress_stop = threading.Event()
+        stop = threading.Event()
 
         def publish() -> None:  # holds the table only while it writes to it
             table = self.status_table
@@ -194,11 +194,16 @@ class _Server:
                 table[self.rank, field] = float(comm.PROGRESS.count)
 
         def loop():
-            while not self._progress_stop.is_set():
+            while not stop.is_set():
                 publish()
-                self._progress_stop.wait(0.05)
-        self._progress = threading.Thread(target=loop, name="parallel-progress", daemon=True)
-        self._progress.start()
+                stop.wait(0.05)
+        thread = threading.Thread(target=loop, name="parallel-progress", daemon=True)
+        thread.start()
+
+        def stop_publishing() -> None:
+            stop.set()
+            thread.join(5)
+        self.stop_progress = stop_publishing
 
     def serve(self) -> None:
         while True:
@@ -220,8 +225,7 @@ class _Server:
     def release(self) -> None:
         """Unmap the shared weights and the status table, and tell rank 0 so. The progress thread
         stops first: a reference it held would keep the table mapped past the release."""
-        self._progress_stop.set()
-        self._progress.join(5)
+        self.stop_progress()
         self.models.clear()
         self.status_table = None
         gc.collect()
