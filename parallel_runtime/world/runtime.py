@@ -38,15 +38,13 @@ class Runtime:
                 lost = world.lost_during(current_prompt())
                 if lost is not None:
                     world.failure, world.state = lost, "failed"
-                    self.last_failure = {"time": time.time(), "message": lost}
-                    world.shutdown("a rank died during the prompt")
-                    self._world = None
-                    raise WorkerFailure(lost)
                 if world.state == "failed" and world.failure:
                     self.last_failure = {"time": time.time(), "message": world.failure}
                 reason = "config changed" if world.config != config else f"world {world.state}"
                 world.shutdown(reason)
                 self._world = None
+                if lost is not None:  # this prompt fails; the next one starts fresh workers
+                    raise WorkerFailure(lost)
             log.info("starting parallel world: %s", config.describe())
             self._world = World(config, comfyui_path=self.comfyui_path).start()
             return self._world

@@ -125,16 +125,16 @@ class ForkedWorker:
         self.returncode = code
         self._exited.set()
 
+    REPORT_WAIT_S = 5.0
+
     def poll(self) -> int | None:
         """Its exit code once it has ended, as soon as Popen's would say so: a child that has
         ended but whose end is not reported yet (the fork server reaps it in a moment) waits for
-        that report, briefly."""
+        that report, briefly; with the fork server gone no report comes."""
         if self.returncode is None and _has_ended(self.pid):
-            if not self._exited.wait(self.REPORT_WAIT_S):
+            if self._server.lost or not self._exited.wait(self.REPORT_WAIT_S):
                 self._set_exit(-signal.SIGKILL)  # unreported: the fork server was gone
         return self.returncode
-
-    REPORT_WAIT_S = 5.0
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -177,7 +177,7 @@ class ForkServer:
 
     def __init__(self, comfyui_root: str, env: dict[str, str]):
         self.env = env
-        self.lost = False  # the fork server is gone (or refused): spawn from now on
+        self.lost = False  # the fork server is gone: a new one, or spawn
         self.refused: str | None = None
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
