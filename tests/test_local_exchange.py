@@ -24,7 +24,7 @@ if case == "no_segment" and rank == world - 1:
     local_exchange.FOLDER = "/nonexistent-folder-for-this-test"
 report = {"rank": rank, "exact": [], "error": None}
 try:
-  if case != "in_place":
+  if case not in ("in_place", "overlapped"):
     for i, (numel, dtype) in enumerate([(world * 6, torch.float32), (world * 1000, torch.bfloat16),
                                         (world * 300_000, torch.float32), (world * 2, torch.int64)]):
         if case == "mismatch" and i == 1 and rank == 0:
@@ -48,6 +48,25 @@ if case == "in_place":  # comm.Exchange: filled and read in place, a slow reader
         if rank == 1:
             time.sleep(0.05)  # the others run ahead to the next exchanges meanwhile
         report["received"].append([sorted(set(c.flatten().tolist())) for c in chunks])
+        ex.close()
+if case == "overlapped":  # comm.Exchange.start / finish: the caller computes between them
+    import time
+    report["received"], report["start_s"] = [], []
+    for i in range(5):
+        ex = comm.Exchange((world, 3, 5000), torch.empty(0), None)
+        for k in range(world):
+            if k != rank:
+                ex.send[k].fill_(100 * rank + 10 * k + i)
+        if rank == 1 and i == 2:
+            time.sleep(1.0)  # late to this exchange: the others' start must not wait for it
+        t0 = time.perf_counter()
+        ex.start()
+        report["start_s"].append(time.perf_counter() - t0)
+        ex.send[rank].fill_(-1.0)  # its own entry, written after start (never read by a peer)
+        if rank == 0:
+            time.sleep(0.05)  # its own work while the exchange travels; the others run on
+        chunks = ex.finish()
+        report["received"].append([sorted(set(c.flatten().tolist())) for j, c in enumerate(chunks) if j != rank])
         ex.close()
 ex = next(iter(local_exchange.EXCHANGES._groups.values()), None)
 report["shared"] = bool(ex is not None and ex.usable and ex.capacity > 0)
@@ -143,6 +162,21 @@ def test_in_place_exchanges_deliver_each_senders_chunk_while_a_reader_lags(world
         assert r["error"] is None and r["shared"]
         for i, received in enumerate(r["received"]):
             assert received == [[100 * j + 10 * r["rank"] + i] for j in range(world)], (r["rank"], i, received)
+
+
+@pytest.mark.parametrize("world,shared", [(2, True), (3, True), (2, False)])
+def test_an_exchange_started_early_completes_later_without_waiting_at_its_start(world, shared):
+    """comm.Exchange.start / finish (Ulysses' overlapped return, attention.attend_and_gather): a rank
+    fills its peers' entries, starts the exchange, computes, then finishes it. Every peer's entry
+    arrives, with its own entry written after the start; the start of a rank that is early returns
+    at once (rank 1 comes 1 s late to the third exchange); through shared memory and through gloo."""
+    reports = run_ranks("overlapped", world, env=None if shared else {"PARALLEL_SHM_EXCHANGE": "0"})
+    for r in reports:
+        assert r["error"] is None and r["shared"] is shared
+        for i, received in enumerate(r["received"]):
+            assert received == [[100 * j + 10 * r["rank"] + i] for j in range(world) if j != r["rank"]], (r["rank"], i)
+        if r["rank"] != 1:
+            assert r["start_s"][2] < 0.5, r["start_s"]  # did not wait out rank 1's second
 
 
 def test_systems_that_cannot_reserve_a_segment_keep_gloo(monkeypatch):

@@ -427,6 +427,7 @@ class Exchange:
         copied into the segment, sent as it is where it is contiguous and no segment serves."""
         self.shape, self.group = tuple(shape), group
         self._recv, self._pooled = None, True
+        self._pending = self._meeting = None
         n_bytes = like.element_size()
         for d in self.shape:
             n_bytes *= d
@@ -461,6 +462,29 @@ class Exchange:
         self._recv = exchange_buffer(self.shape, self.send)
         all_to_all_single(self._recv, self.send, self.group)
         return list(self._recv.unbind(0))
+
+    def start(self) -> None:
+        """``run`` in two halves, for a caller that computes while the exchange travels: ``start``
+        once ``send`` holds every entry the peers read (this rank's own entry is not sent where the
+        ranks share memory: it may be written after), then ``finish`` gives ``run``'s chunks (this
+        rank's own one only where it was written before ``start``)."""
+        if self._local is not None:
+            self._meeting = self._local.meeting(self.nbytes)
+            self._pending = Pending(_posted(dist.all_reduce, self._meeting, op=dist.ReduceOp.MAX,
+                                            group=self.group, async_op=True))
+            return
+        self._recv = exchange_buffer(self.shape, self.send)
+        self._pending = all_to_all_async(self._recv, self.send, self.group)
+
+    def finish(self) -> list[torch.Tensor]:
+        self._pending.wait()
+        self._pending = None
+        if self._local is None:
+            return list(self._recv.unbind(0))
+        if _aborted.is_set() and _fake_abort():  # the fake NCCL abort: nothing arrived
+            return list(torch.zeros_like(self.send).unbind(0))
+        self._local.check_meeting(self._meeting, self.nbytes)
+        return [c.view(self.send.dtype).view(self.shape[1:]) for c in self._local.received(self.nbytes)]
 
     def close(self) -> None:
         if self._local is None:

@@ -107,13 +107,24 @@ class _GroupExchange:
         self.segments = []
         self.capacity = 0
 
-    def _meet(self, value: int) -> None:
-        """Every rank of the group is here, and all passed the same ``value`` (the exchange's size)."""
-        t = torch.tensor([value, -value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+    @staticmethod
+    def meeting(value: int) -> torch.Tensor:
+        """What a rank brings to an exchange's meeting (a MAX all-reduce of the group): its size and
+        its negation, so that ``check_meeting`` sees the largest and the smallest of every rank's."""
+        return torch.tensor([value, -value], dtype=torch.int64)
+
+    @staticmethod
+    def check_meeting(t: torch.Tensor, value: int) -> None:
+        """After the meeting: every rank passed the same ``value`` (the exchange's size)."""
         if int(t[0]) != -int(t[1]):
             raise RuntimeError(f"all-to-all of different sizes across the ranks of one group: from "
                                f"{-int(t[1])} to {int(t[0])} bytes (this rank: {value})")
+
+    def _meet(self, value: int) -> None:
+        """Every rank of the group is here, and all passed the same ``value``."""
+        t = self.meeting(value)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.check_meeting(t, value)
 
     def _agree(self, ok: bool) -> bool:
         t = torch.tensor([1 if ok else 0], dtype=torch.int64)
@@ -182,6 +193,12 @@ class _GroupExchange:
         rank j, read in place (in the senders' segments). Read them before the next exchange's
         ``send_buffer`` on this rank: after its meeting they may be written again."""
         self._meet(nbytes)
+        return self.received(nbytes)
+
+    def received(self, nbytes: int) -> list[torch.Tensor]:
+        """``exchange``'s chunks, once the caller held the meeting itself (``meeting``, a MAX
+        all-reduce of the group, waited for, then ``check_meeting``): how a rank computes while the
+        others arrive."""
         chunk = nbytes // self.size
         at = self.rank * chunk
         chunks = [self._half(j, self.turn)[at:at + chunk] for j in range(self.size)]

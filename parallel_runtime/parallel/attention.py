@@ -11,6 +11,9 @@ tokens sit in every rank's chunk, so padding never reaches a softmax.
 - Ulysses (size U): an all-to-all turns sequence chunks into head shards of the
   U chunks of the group; the real tokens are picked out, the attention function
   ComfyUI chose runs on ``H / U`` heads, and a second all-to-all returns the chunks.
+  That return is overlapped (``attend_and_gather``): the query rows other ranks hold
+  are attended first and sent, this rank's own rows while they travel, so a rank that
+  is early does useful work instead of waiting at the exchange.
 - Ring (size R): each rank keeps its queries and passes its key/value block around
   the ring; partial results are merged exactly with their log-sum-exp.
 - USP: Ulysses inside each ring group, Ring across them.
@@ -147,6 +150,53 @@ def gather_heads(out: torch.Tensor, n: int, group, layout: "JointLayout", output
         result = layout.strip_local(result.view(b, s, n * hn * d), 1)
     ex.close()
     return result
+
+
+def _put(target: torch.Tensor, src: torch.Tensor, rows: torch.Tensor | None, dim: int) -> None:
+    """``target`` receives ``src``, or ``src`` at ``rows`` along ``dim`` and zeros elsewhere (padding)."""
+    if rows is None:
+        target.copy_(src)
+    else:
+        target.zero_()
+        target.index_copy_(dim, rows, src)
+
+
+def attend_and_gather(q: torch.Tensor, n: int, rank: int, group, layout: "JointLayout", attend_rows,
+                      output_heads_first: bool) -> torch.Tensor:
+    """Ulysses backward overlapped with this rank's own attention: the query rows of the other
+    ranks' chunks are attended first and put on their way, and this rank's own rows, which never
+    travel, are attended while the exchange completes. A rank that arrives early at the exchange
+    thus works instead of waiting; on GPUs the transfer runs beside that attention.
+
+    ``q``: [B, H/n, n*S, D] head-sharded queries; ``attend_rows(q_rows, j)``: the attention of the
+    query rows of chunk j, ``(out [B, H/n, rows, D], rows)``, ``rows`` the positions of the real
+    tokens among the chunk's S (None: all). Each query row's attention is the same computation as
+    in one call, so the result is too. Returns what ``gather_heads`` returns."""
+    b, hn, ns, d = q.shape
+    s = ns // n
+    ex = comm.Exchange((n, s, b, hn, d), q, group)  # [n (destination chunk), S, B, H/n, D]
+    for j in ((rank + i) % n for i in range(1, n)):
+        out, rows = attend_rows(q.narrow(2, j * s, s), j)
+        _put(ex.send[j], out.permute(2, 0, 1, 3), rows, 0)
+    ex.start()
+    out, rows = attend_rows(q.narrow(2, rank * s, s), rank)
+    if output_heads_first:
+        result = out.new_empty(b, n, hn, s, d)
+        _put(result[:, rank], out, rows, 2)
+    else:
+        result = out.new_empty(b, s, n, hn, d)
+        _put(result[:, :, rank], out.permute(0, 2, 1, 3), rows, 1)
+    for j, chunk in enumerate(ex.finish()):  # chunk j: [S, B, H/n, D], head group j
+        if j == rank:
+            continue
+        if output_heads_first:
+            result[:, j].copy_(chunk.permute(1, 2, 0, 3))
+        else:
+            result[:, :, j].copy_(chunk.permute(1, 0, 2, 3))
+    ex.close()
+    if output_heads_first:
+        return layout.strip_local(result.view(b, n * hn, s, d), 2)
+    return layout.strip_local(result.view(b, s, n * hn * d), 1)
 
 
 def chunk_count(heads_per_rank: int, wanted: int) -> int:
@@ -313,7 +363,9 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
             out = ulysses_pipelined(torch.stack(qkv), U, sp.ulysses_group, chunks, attend_heads)
             return from_bhsd(layout.strip_local(out, 2), heads_first)
         if U > 1:
-            qkv = scatter_heads(qkv, U, sp.ulysses_group)
+            q2, k2, v2 = scatter_heads(qkv, U, sp.ulysses_group)
+            attend_rows = _row_attention(attend, args, kwargs, layout, _real_rows(k2, real), _real_rows(v2, real))
+            return attend_and_gather(q2, U, sp.ulysses_rank, sp.ulysses_group, layout, attend_rows, heads_first)
         out = attend_heads(*qkv)
     else:
         if U > 1:
@@ -338,6 +390,19 @@ def _real_rows(t: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     return t if real is None else t.index_select(2, real.to(t.device))
 
 
+def _row_attention(attend, args, kwargs, q_layout: JointLayout, k, v):
+    """``attend_and_gather``'s ``attend_rows`` for pure Ulysses: the real query rows of chunk j
+    (``q_layout``'s, sequence-parallel rank j's) over ``k`` and ``v``, already real tokens only."""
+    def attend_rows(q_rows, j):
+        rows = q_layout.valid[j]
+        if rows is not None:
+            rows = rows.to(q_rows.device)
+            q_rows = q_rows.index_select(2, rows)
+        call_args, call_kwargs = _call_args(args, kwargs, q_rows, k, v, q_rows.shape[1])
+        return attend(*call_args, **call_kwargs), rows
+    return attend_rows
+
+
 def cross_stream_attention(attend, args, kwargs, *, sp: SequenceParallel, q_layout: JointLayout,
                            kv_layout: JointLayout):
     """Queries of one set of split streams over the keys and values of another (LTX-2's
@@ -355,6 +420,10 @@ def cross_stream_attention(attend, args, kwargs, *, sp: SequenceParallel, q_layo
         (q,) = scatter_heads([q], U, sp.ulysses_group)
         k2, v2 = scatter_heads([k2, v2], U, sp.ulysses_group)
     block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
+    if R == 1 and U > 1:
+        real_kv = kv_layout.gathered(block_ranks(0))
+        attend_rows = _row_attention(attend, args, kwargs, q_layout, _real_rows(k2, real_kv), _real_rows(v2, real_kv))
+        return attend_and_gather(q, U, sp.ulysses_rank, sp.ulysses_group, q_layout, attend_rows, heads_first)
     mine = q_layout.gathered(block_ranks(sp.ring_rank))  # this rank's real queries after the exchange
     q2 = _real_rows(q, mine)
     if R == 1:
