@@ -1,7 +1,9 @@
 """Ulysses with its exchange in head groups that overlap the attention (attention.ulysses_pipelined,
 PARALLEL_ULYSSES_CHUNKS): the same result as one exchange, for every family with heads to spare,
-with uneven and weighted token splits too; and the clock that measures how much communication
-a step waits for (comm.CLOCK, read by bench/profile_step.py --overlap)."""
+with uneven and weighted token splits too; the return exchange overlapped with each rank's own
+attention (attention.attend_and_gather, PARALLEL_ULYSSES_OVERLAP) against the ranks in lockstep;
+and the clock that measures how much communication a step waits for (comm.CLOCK, read by
+bench/profile_step.py --overlap)."""
 import sys
 
 import pytest
@@ -51,6 +53,54 @@ def test_every_family_with_two_heads_a_rank_equals_one_process_in_head_groups(wo
         checked.append(case)
     print(f"\n{len(checked)} families in two head groups under Ulysses 2: equal to one exchange, bit for bit")
     assert len(checked) >= 8
+
+
+def test_the_overlapped_return_equals_the_lockstep_one_and_one_process_for_every_family(world, monkeypatch):
+    """attend_and_gather (other ranks' query rows first, the rank's own while they travel) against
+    gather_heads (the ranks in lockstep): every family's attention sites, both layouts attention is
+    called with, padding where the tokens do not divide, a weighted split; bit for bit, since each
+    query row's attention is the same computation in one call or in two."""
+    from parallel_runtime.parallel import attention
+
+    overlapped_calls = []  # rank 0's: which path ran
+    real = attention.attend_and_gather
+    monkeypatch.setattr(attention, "attend_and_gather", lambda *a, **k: overlapped_calls.append(1) or real(*a, **k))
+    built = single_process_references(TP_CASES)
+    checked = []
+    for case in TP_CASES:
+        model, args, kwargs, ref = built(case)
+        for weights in ((), (1.0, 0.5)):
+            overlapped_calls.clear()
+            lockstep = run(world, model, args, kwargs, ulysses_overlap=False, weights=weights)
+            assert not overlapped_calls, case
+            overlapped = run(world, model, args, kwargs, ulysses_overlap=True, weights=weights)
+            assert overlapped_calls, case
+            err = (overlapped - ref).abs().max().item()
+            assert overlapped.shape == ref.shape and err <= TOL, (case, weights, err)
+            assert torch.equal(overlapped, lockstep), (case, weights, (overlapped - lockstep).abs().max().item())
+        checked.append(case)
+    print(f"\n{len(checked)} families under Ulysses 2: the overlapped return equals the lockstep one, bit for bit")
+    assert len(checked) >= 8
+
+
+def test_the_overlap_is_on_where_ranks_do_not_share_cores(monkeypatch):
+    from parallel_runtime.world import settings
+
+    monkeypatch.delenv(settings.ULYSSES_OVERLAP_ENV, raising=False)
+    monkeypatch.delenv("PARALLEL_CPU_THREADS_PER_RANK", raising=False)
+    monkeypatch.setattr(settings, "available_cores", lambda: [0, 1])
+    assert settings.ulysses_overlap_setting(("cpu", "cpu"))          # a core each
+    assert not settings.ulysses_overlap_setting(("cpu",) * 4)        # 4 ranks on 2 cores: lockstep
+    assert settings.ulysses_overlap_setting(("cuda:0", "cuda:1"))    # a device each
+    monkeypatch.setenv("PARALLEL_CPU_THREADS_PER_RANK", "2")
+    assert not settings.ulysses_overlap_setting(("cpu", "cpu"))      # 4 threads on 2 cores
+    monkeypatch.setenv(settings.ULYSSES_OVERLAP_ENV, "1")
+    assert settings.ulysses_overlap_setting(("cpu",) * 4)
+    monkeypatch.setenv(settings.ULYSSES_OVERLAP_ENV, "0")
+    assert not settings.ulysses_overlap_setting(("cuda:0", "cuda:1"))
+    monkeypatch.setenv(settings.ULYSSES_OVERLAP_ENV, "sometimes")
+    with pytest.raises(ValueError, match="PARALLEL_ULYSSES_OVERLAP='sometimes'.*auto"):
+        settings.ulysses_overlap_setting(("cpu", "cpu"))
 
 
 @pytest.mark.parametrize("chunks", [2, 3, 4])

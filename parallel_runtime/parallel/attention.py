@@ -303,6 +303,9 @@ class SequenceParallel:
     ring_rank: int
     # Pure Ulysses: head groups whose exchange overlaps the attention of the others (1: one exchange).
     ulysses_chunks: int = 1
+    # Pure Ulysses, one exchange: its return overlaps the rank's own attention (attend_and_gather),
+    # else the ranks meet in lockstep (gather_heads). world/settings.ulysses_overlap_setting decides.
+    overlap_return: bool = True
 
     @property
     def sp_rank(self) -> int:
@@ -362,10 +365,12 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
         if chunks > 1:
             out = ulysses_pipelined(torch.stack(qkv), U, sp.ulysses_group, chunks, attend_heads)
             return from_bhsd(layout.strip_local(out, 2), heads_first)
-        if U > 1:
+        if U > 1 and sp.overlap_return:
             q2, k2, v2 = scatter_heads(qkv, U, sp.ulysses_group)
             attend_rows = _row_attention(attend, args, kwargs, layout, _real_rows(k2, real), _real_rows(v2, real))
             return attend_and_gather(q2, U, sp.ulysses_rank, sp.ulysses_group, layout, attend_rows, heads_first)
+        if U > 1:
+            qkv = scatter_heads(qkv, U, sp.ulysses_group)
         out = attend_heads(*qkv)
     else:
         if U > 1:
@@ -420,7 +425,7 @@ def cross_stream_attention(attend, args, kwargs, *, sp: SequenceParallel, q_layo
         (q,) = scatter_heads([q], U, sp.ulysses_group)
         k2, v2 = scatter_heads([k2, v2], U, sp.ulysses_group)
     block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
-    if R == 1 and U > 1:
+    if R == 1 and U > 1 and sp.overlap_return:
         real_kv = kv_layout.gathered(block_ranks(0))
         attend_rows = _row_attention(attend, args, kwargs, q_layout, _real_rows(k2, real_kv), _real_rows(v2, real_kv))
         return attend_and_gather(q, U, sp.ulysses_rank, sp.ulysses_group, q_layout, attend_rows, heads_first)

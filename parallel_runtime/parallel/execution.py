@@ -20,12 +20,12 @@ from ..distributed.mesh import ProcessMesh
 from ..plans import ModelPlan
 
 
-def sequence_parallel(mesh: ProcessMesh, ulysses_chunks: int = 1) -> SequenceParallel:
+def sequence_parallel(mesh: ProcessMesh, ulysses_chunks: int = 1, overlap_return: bool = True) -> SequenceParallel:
     return SequenceParallel(
         ulysses_group=mesh.group("ulysses"), ulysses_size=mesh.size("ulysses"),
         ulysses_rank=mesh.local_rank("ulysses"),
         ring_group=mesh.group("ring"), ring_size=mesh.size("ring"), ring_rank=mesh.local_rank("ring"),
-        ulysses_chunks=ulysses_chunks)
+        ulysses_chunks=ulysses_chunks, overlap_return=overlap_return)
 
 
 def group_weights(mesh: ProcessMesh, dim: str, weights: tuple[float, ...] | None) -> tuple[float, ...] | None:
@@ -46,11 +46,12 @@ def cache_ranks(mesh: ProcessMesh, stream_shard) -> CacheRanks:
 def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, call, signature_of,
                 args: tuple, kwargs: dict, *, distributed_attention: bool = True,
                 compile: CompileSettings | None = None, weights: tuple[float, ...] | None = None,
-                ulysses_chunks: int = 1, patch_models: list | tuple = ()):
+                ulysses: tuple[int, bool] = (1, True), patch_models: list | tuple = ()):
     """``call(*args, **kwargs)`` runs the model method (whose signature ``signature_of`` has);
     ``compile``: the plan's blocks run compiled (compile_regions); ``weights``: relative speed
     per global rank, for a weighted token split or VAE bands (None or all equal: the even split);
-    ``ulysses_chunks``: head groups of a pure Ulysses exchange that overlap the attention;
+    ``ulysses``: (head groups of a pure Ulysses exchange that overlap the attention, whether its
+    return overlaps the rank's own attention: ``SequenceParallel``);
     ``patch_models``: the models of the forward's model patches, as the patches' data indexes them."""
     if plan.kind == "vae":  # every rank decodes (or encodes) a band of rows; see vae_bands
         return run_vae(module, plan, mesh.group("world"), mesh.size("world"), mesh.local_rank("world"), call,
@@ -62,7 +63,7 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
     split = cfg.plan_split(cfg.batch_of(next(iter(bound.arguments.values()))), mesh.size("cfg"), mesh.local_rank("cfg"))
     cfg.split_bound(bound, split)
     with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")), \
-            context_parallel(module, plan, bound, sp=sequence_parallel(mesh, ulysses_chunks), sp_group=mesh.group("sp"),
+            context_parallel(module, plan, bound, sp=sequence_parallel(mesh, *ulysses), sp_group=mesh.group("sp"),
                              distributed_attention=distributed_attention, weights=group_weights(mesh, "sp", weights)) \
             as ctx, \
             compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)), \

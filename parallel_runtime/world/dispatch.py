@@ -92,7 +92,8 @@ class Dispatch:
     # ---------------------------------------------------------------- forward
     def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
                 distributed_attention: bool = True, compile=None, layout: MeshLayout | None = None,
-                weights: tuple[float, ...] | None = None, ulysses_chunks: int | None = None):
+                weights: tuple[float, ...] | None = None, ulysses_chunks: int | None = None,
+                ulysses_overlap: bool | None = None):
         """Run ``method(*args, **kwargs)`` of ``module`` on every rank, context-parallel.
 
         ``method`` is rank 0's bound callable (it may be a wrapper chain ending in a
@@ -104,10 +105,14 @@ class Dispatch:
         ``weights``: relative speed per rank for the token split (default: the config's, or what
         layout auto measured; () for an even split). ``ulysses_chunks``: head groups of a pure
         Ulysses exchange that overlap the attention (default: PARALLEL_ULYSSES_CHUNKS, else 1).
+        ``ulysses_overlap``: pure Ulysses' return overlaps each rank's own attention (default:
+        ``settings.ulysses_overlap_setting``).
         """
         if self.state != "ready":
             raise WorkerFailure(f"the parallel world is {self.state}: {self.failure or ''}")
         chunks = ulysses_chunks if ulysses_chunks is not None else settings.ulysses_chunks_setting()
+        overlap = (ulysses_overlap if ulysses_overlap is not None
+                   else settings.ulysses_overlap_setting(tuple(self.config.devices)))
         call = self._prepare_call(module, plan, method, args, kwargs, layout)
         # Nothing has reached a worker yet: errors above leave the world usable.
         try:
@@ -127,7 +132,7 @@ class Dispatch:
                 # A patch's model is held whole on every rank (not cut under TP), sent once.
                 patch_keys = [self.copies.ensure(m, PATCH_MODEL_PLAN, None, call.layout)[0] for m in call.patch_models]
             out = self._run_everywhere(call, module, method, key, run_module, mesh, distributed_attention, compile,
-                                       weights, chunks, patch_keys)
+                                       weights, (chunks, overlap), patch_keys)
             if self.first_forward is None:
                 self.first_forward = {"seconds": round(time.perf_counter() - call.t0, 3),
                                       "after_ready_s": round(time.monotonic() - self.ready_at, 3)}
@@ -170,7 +175,7 @@ class Dispatch:
                      protocol.tensor_meta(tensors), patch_models, t0, time.perf_counter())
 
     def _run_everywhere(self, call: "_Call", module, method, key, run_module, mesh, distributed_attention, compile,
-                        weights, chunks, patch_keys):
+                        weights, ulysses, patch_keys):
         """The guarded section: the workers get the call and the inputs, rank 0 runs its part."""
         started = time.perf_counter()
         try:
@@ -179,7 +184,7 @@ class Dispatch:
                 memory.PEAKS.begin(prompt, self.device)
                 for w in self.workers:
                     w.conn.send(("forward", key, call.method_name, call.spec, call.meta, distributed_attention,
-                                 compile, list(call.layout.sizes), weights, chunks, prompt, patch_keys))
+                                 compile, list(call.layout.sizes), weights, ulysses, prompt, patch_keys))
                 t_sent = time.perf_counter()
                 protocol.broadcast_tensors(call.tensors, call.meta, self.device)
                 t_broadcast = time.perf_counter()
@@ -194,7 +199,7 @@ class Dispatch:
                 with compile_regions.watched(compile, (key, repr(call.layout.sizes)), call.meta):
                     out = run_sharded(run_module, call.plan, mesh, method if run_module is module else own, own,
                                       call.bound.args, call.bound.kwargs, distributed_attention=distributed_attention,
-                                      compile=compile, weights=weights, ulysses_chunks=chunks,
+                                      compile=compile, weights=weights, ulysses=ulysses,
                                       patch_models=call.patch_models)
                 comm.synchronize(self.device)  # a step's time, not the time to queue its kernels
         except BaseException:

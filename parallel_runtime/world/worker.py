@@ -300,7 +300,7 @@ class _Server:
         self.meshes[layout.sizes] = ProcessMesh(layout, self.rank, self.process_groups)
 
     def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None,
-                   layout=None, weights=(), ulysses_chunks: int = 1, prompt=None, patch_keys=()) -> None:
+                   layout=None, weights=(), ulysses=(1, True), prompt=None, patch_keys=()) -> None:
         memory.PEAKS.begin(prompt, self.device)  # a new prompt: this rank's memory peaks start again
         started = time.perf_counter()
         self._maybe_inject_fault("start")
@@ -316,7 +316,7 @@ class _Server:
             with _slowed(module, plan, self.rank):
                 run_sharded(module, plan, mesh, method, method, args, kwargs,
                             distributed_attention=distributed_attention, compile=compile, weights=weights,
-                            ulysses_chunks=ulysses_chunks, patch_models=[self.models[k][0] for k in patch_keys])
+                            ulysses=tuple(ulysses), patch_models=[self.models[k][0] for k in patch_keys])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels
         row = self.status_table[self.rank]
