@@ -6,7 +6,10 @@ top-level package, the way the workers import it.
 """
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -139,6 +142,26 @@ class VersionedSource:
 
     def packed_patches(self, name):
         return []
+
+
+def run_gloo_ranks(script: str, world: int, *args: str, env: dict | None = None) -> list[dict]:
+    """``world`` processes of ``python -c script rank world port repo *args``, one gloo group on a
+    free port; each prints ``REPORT <json>`` last. Their reports, by rank. ``env``: the processes'
+    whole environment (default: this one's), OMP_NUM_THREADS=1 added."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), str(port), str(REPO), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"})
+             for r in range(world)]
+    reports = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        line = [entry for entry in out.splitlines() if entry.startswith("REPORT ")]
+        assert line, out
+        reports.append(json.loads(line[-1][len("REPORT "):]))
+    return sorted(reports, key=lambda r: r["rank"])
 
 
 def single_process_references(cases: dict):

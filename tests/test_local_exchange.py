@@ -2,16 +2,12 @@
 real processes of one gloo group, its bytes against gloo's own all-to-all in the same processes, the
 fallback when a rank cannot have its segment, sizes that differ across ranks, and nothing left in
 /dev/shm."""
-import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import REPO
+from conftest import run_gloo_ranks
 
 WORKER = r"""
 import json, os, sys
@@ -79,12 +75,6 @@ if report["error"] is None:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ours_in_shm() -> set:
     return {f for f in os.listdir("/dev/shm") if f.startswith("hybrid-parallel-")} if os.path.isdir("/dev/shm") else set()
 
@@ -101,19 +91,8 @@ def _left_behind(before: set, settle_s: float = 3.0) -> set:
 
 
 def run_ranks(case: str, world: int = 2, env=None) -> list[dict]:
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(REPO), case],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**{k: v for k, v in os.environ.items() if k != "PARALLEL_SHM_EXCHANGE"},
-                                   "OMP_NUM_THREADS": "1", **(env or {})})  # the default unless env says
-             for r in range(world)]
-    reports = []
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        line = [l for l in out.splitlines() if l.startswith("REPORT ")]
-        assert line, out
-        reports.append(json.loads(line[-1][len("REPORT "):]))
-    return sorted(reports, key=lambda r: r["rank"])
+    base = {k: v for k, v in os.environ.items() if k != "PARALLEL_SHM_EXCHANGE"}  # the default unless env says
+    return run_gloo_ranks(WORKER, world, case, env={**base, **(env or {})})
 
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")

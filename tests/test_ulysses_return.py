@@ -3,15 +3,9 @@ and in lockstep (gather_heads), in real gloo processes: both layouts an attentio
 ([B, H, S, D] with skip_output_reshape, [B, S, H*D] without), a token count that does not divide
 (padding in one rank's chunk), 2 and 3 ranks; against one process's attention, and the two paths
 against each other bit for bit."""
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO
+from conftest import run_gloo_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -62,25 +56,9 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_overlapped_return_equals_one_process_and_the_lockstep_return(world):
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(REPO)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
-    reports = []
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        line = [l for l in out.splitlines() if l.startswith("REPORT ")]
-        assert line, out
-        reports.append(json.loads(line[-1][len("REPORT "):]))
+    reports = run_gloo_ranks(WORKER, world)
     for r in reports:
         assert len(r["err"]) == 4 and max(r["err"].values()) <= 1e-6, r
         assert r["equal"] == {"True": True, "False": True}, r
