@@ -449,25 +449,16 @@ class Exchange:
         if source is not None:
             self.send.view(source.shape).copy_(source)
 
-    @_blocking
-    def exchange_in_place(self) -> list:
-        return self._local.exchange(self.nbytes)
-
     def run(self) -> list[torch.Tensor]:
-        if self._local is not None:
-            chunks = self.exchange_in_place()
-            if chunks is None:  # the fake NCCL abort: nothing arrived
-                return list(torch.zeros_like(self.send).unbind(0))
-            return [c.view(self.send.dtype).view(self.shape[1:]) for c in chunks]
-        self._recv = exchange_buffer(self.shape, self.send)
-        all_to_all_single(self._recv, self.send, self.group)
-        return list(self._recv.unbind(0))
+        self.start()
+        return self.finish()
 
     def start(self) -> None:
-        """``run`` in two halves, for a caller that computes while the exchange travels: ``start``
-        once ``send`` holds every entry the peers read (this rank's own entry is not sent where the
-        ranks share memory: it may be written after), then ``finish`` gives ``run``'s chunks (this
-        rank's own one only where it was written before ``start``)."""
+        """The exchange in two halves, for a caller that computes while it travels (``run`` calls
+        them one after the other): ``start`` once ``send`` holds every entry the peers read (this
+        rank's own entry is not sent where the ranks share memory: it may be written after), then
+        ``finish`` gives the n chunks (this rank's own one only where it was written before
+        ``start``)."""
         if self._local is not None:
             self._meeting = self._local.meeting(self.nbytes)
             self._pending = Pending(_posted(dist.all_reduce, self._meeting, op=dist.ReduceOp.MAX,
