@@ -120,12 +120,6 @@ class _GroupExchange:
             raise RuntimeError(f"all-to-all of different sizes across the ranks of one group: from "
                                f"{-int(t[1])} to {int(t[0])} bytes (this rank: {value})")
 
-    def _meet(self, value: int) -> None:
-        """Every rank of the group is here, and all passed the same ``value``."""
-        t = self.meeting(value)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        self.check_meeting(t, value)
-
     def _agree(self, ok: bool) -> bool:
         t = torch.tensor([1 if ok else 0], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
@@ -192,7 +186,9 @@ class _GroupExchange:
         """Every rank has written its send buffer: the n chunks addressed to this rank, chunk j from
         rank j, read in place (in the senders' segments). Read them before the next exchange's
         ``send_buffer`` on this rank: after its meeting they may be written again."""
-        self._meet(nbytes)
+        t = self.meeting(nbytes)  # every rank of the group is here, and all passed the same size
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.check_meeting(t, nbytes)
         return self.received(nbytes)
 
     def received(self, nbytes: int) -> list[torch.Tensor]:
