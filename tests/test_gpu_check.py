@@ -86,11 +86,13 @@ def test_every_gpu_check_part_passes_on_cpu_ranks(tmp_path, comfyui_path):
                            "--compile", "flux_smoke_ulysses2_compiled", "--out", str(tmp_path)],
                           env=dict(os.environ, COMFYUI_PATH=comfyui_path), capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
     report = json.loads((tmp_path / "results.json").read_text())
     rows = report["rows"]
     print(f"\nGPU check on CPU ranks: {len(rows)} cases in {report['seconds']} s")
-    assert all(r["ok"] for r in rows)
+    # Every case passes but the compiled comparison, whose speed on CPU ranks sharing the cores may
+    # miss; it is then reported as failed, naming how (below), and the check exits 1.
+    assert all(r["ok"] for r in rows if r["part"] != "compile"), output[-4000:]
+    assert proc.returncode == (0 if all(r["ok"] for r in rows) else 1), output[-4000:]
     assert [p["part"] for p in report["parts"]] == ["tiny", "tiny-no-cuda-malloc", "big", "features", "compile"]
     by_part = {p: [r for r in rows if r["part"] == p] for p in subset}
     assert {p: len(rs) for p, rs in by_part.items()} == {p: len(c) for p, c in subset.items()}
@@ -101,16 +103,20 @@ def test_every_gpu_check_part_passes_on_cpu_ranks(tmp_path, comfyui_path):
     (compiled,) = [r for r in rows if r["part"] == "compile"]  # issue 18's comparison, eager against compiled
     assert compiled["case"] == "compiled against eager: flux_smoke_ulysses2_compiled"
     assert compiled["data"]["compiles_per_rank"][1] > 0 and compiled["data"]["compile_speedup_ratio"] > 0
+    slower = compiled["data"]["compiled2_ms_median"] > compiled["data"]["eager2_ms_median"]
+    assert not (slower and compiled["ok"])  # a compiled run slower than eager never passes
+    assert not slower or "compiled slower than eager at 2 ranks" in compiled["figure"]
     # One PASS / FAIL line per case with its figure; one README row per part, both server flags used.
     lines = proc.stdout.splitlines()
-    assert sum(line.startswith("PASS [") for line in lines) == len(rows)
+    assert sum(line.startswith(("PASS [", "FAIL [")) for line in lines) == len(rows)
     assert any(line.startswith("PASS [tiny] Wan TP 2, LoRA strength changed: rel L2 ") for line in lines)
     summaries = [line for line in lines if line.startswith("SUMMARY | ")]
     assert len(summaries) == 2 * len(report["parts"])  # as each part ends, and again at the end
     for entry in report["parts"]:
         row = entry["summary"]
+        passed = entry["passed"] if entry["part"] == "compile" else entry["total"]
         assert re.fullmatch(r"\| \d{4}-\d\d-\d\d \| CPU .* \| ComfyUI \d+\.\d+\.\d+, `tools/gpu_check.sh --part \S+` "
-                            r"\(.*\) \| (\d+)/\1 passed in \d+ s; .* \|", row), row
+                            rf"\(.*\) \| {passed}/{entry['total']} passed in \d+ s; .* \|", row), row
         assert f"SUMMARY {row}" in lines
         assert f"ComfyUI {report['host']}, " in row
     version = re.search(r'__version__ = "(.*)"', (Path(comfyui_path) / "comfyui_version.py").read_text())[1]
@@ -120,3 +126,57 @@ def test_every_gpu_check_part_passes_on_cpu_ranks(tmp_path, comfyui_path):
     assert all(p["allocator"] == "cpu" for p in report["parts"] if p["comfyui_args"] is not None)
     assert [r["case"] for r in by_part["features"]][0] == "Block Cache, Wan TP 2"
     assert (tmp_path / "comfyui.log").exists() and (tmp_path / "comfyui_disable-cuda-malloc.log").exists()
+
+
+RESULTS = REPO / "bench" / "results"
+H100_COMPILE = RESULTS / "gpu_check_2026-11-25" / "h100_0.33.0_compile.json"
+
+
+def test_a_compiled_run_slower_than_eager_fails_the_compile_part():
+    """The stored H100 record: correct, no recompiles, but compiled slower than eager at 2 ranks
+    (113.8 against 104.0 ms, gain ratio 0.80): its verdict is a failure that says so. The same
+    record with compiled faster than eager at both sizes passes."""
+    from gpu_check import compile_row
+
+    (record,) = [r["data"] for r in json.loads(H100_COMPILE.read_text())["rows"]]
+    row = compile_row(record, 3e-2)
+    assert not row.ok and "compiled slower than eager at 2 ranks" in row.figure and "0.80" in row.figure
+    faster = dict(record, compiled2_ms_median=90.0, compile_speedup_world2=104.0 / 90.0,
+                  compile_speedup_ratio=(104.0 / 90.0) / record["compile_speedup_world1"])
+    assert compile_row(faster, 3e-2).ok
+    assert not compile_row(dict(faster, recompiles_per_rank=[0, 1]), 3e-2).ok
+
+
+def test_readme_gpu_table_is_generated_from_the_stored_results():
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_table.py"), "--check"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def readme_gpu_rows() -> list[str]:
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("<!-- gpu-table:begin"):readme.index("<!-- gpu-table:end")]
+    return [line for line in table.splitlines() if re.match(r"\| \d{4}-", line)]
+
+
+def test_readme_gpu_rows_say_what_the_files_hold():
+    """Figures read from the files here, not through the generator: the H200 0.33.0 row's errors
+    beyond Shard VAE include the Flux ControlNet's 4.1e-3; the compile row is no pass."""
+    (h200,) = [r for r in readme_gpu_rows() if "| H200 | 0.33.0 |" in r]
+    rows = json.loads((RESULTS / "gpu_check_2026-11-27" / "h200_0.33.0_tiny_features.json").read_text())["rows"]
+    beyond_vae = max(r["rel_l2"] for r in rows if r["rel_l2"] is not None and "VAE" not in r["case"])
+    assert f"{beyond_vae:.1e}".replace("e-03", "e-3") in h200 and "ControlNet" in h200
+    (compile_line,) = [r for r in readme_gpu_rows() if "`compile`" in r]
+    assert "`compile` 0/1" in compile_line and "slower than eager" in compile_line
+    for line in readme_gpu_rows():  # every file a row names is stored
+        date = line.split("|")[1].strip()
+        for name in re.findall(r"`([\w.-]+)`", line.split("|")[-2]):
+            assert (RESULTS / f"gpu_check_{date}" / f"{name}.json").exists(), name
+
+
+def test_docs_name_the_runs_the_readme_leaves_out():
+    docs = (REPO / "docs" / "gpu_check.md").read_text()
+    assert "h100_0.33.0_text_encoder2_features_after_fix.json`, part `features`: recorded 3/4" in docs
+    shown = {name for line in readme_gpu_rows() for name in re.findall(r"`([\w.-]+)`", line.split("|")[-2])}
+    for path in RESULTS.glob("gpu_check_*/*.json"):  # every stored file is shown or named as left out
+        assert path.stem in shown or f"`{path.parent.name}/{path.name}`" in docs, path

@@ -66,6 +66,9 @@ GIB = 2**30
 EXTENSIONS = [REPO / "tests" / "comfy_extensions" / name for name in ("tiny_config_from_metadata", "tiny_model_patches")]
 # Issue 15's targets for the Flux.1-dev-sized model on 2 ranks.
 TARGETS = {"first_forward_s": 5.0, "rss_growth_gib": 1.0, "tp2_largest_weights": 0.55}
+# Relative L2 error allowed between a sharded result and its unsharded twin: bf16 on a GPU (sums in
+# another order: TP all-reduces, ring merges), fp32 on CPU ranks.
+GPU_REL_TOL, CPU_REL_TOL = 3e-2, 1e-5
 
 
 @dataclass
@@ -92,8 +95,7 @@ class Check:
         self.server = server
         self.gpu = gpu
         self.prompt = ui_to_api(load(WORKFLOW), server.object_info())
-        # bf16 sums in another order (TP all-reduces, ring merges) against fp32 on the CPU.
-        self.rel_tol = 3e-2 if gpu else 1e-5
+        self.rel_tol = GPU_REL_TOL if gpu else CPU_REL_TOL
         self._cache_ref = None  # part features: the unsharded Block Cache run and its uncached twin
 
     # ------------------------------------------------------------ helpers
@@ -454,8 +456,9 @@ COMPILE_TIMEOUT_S = 420  # the part's budget (8 minutes) less ComfyUI-free start
 def compiled_comparison(scenario: str, out: Path, gpu: bool) -> list[Row]:
     """bench/run.py's compiled scenario on this device (two ranks share one GPU through gloo): the
     gain compiling gives at world size 2 against the one it gives at world size 1 (issue 18's
-    criterion on the CPU: at least 0.95), every rank without recompiles, compiled + sharded equal
-    to eager on one rank. A process of its own: it runs ComfyUI's model code on the device."""
+    criterion: at least 0.95), compiled no slower than eager, every rank without recompiles,
+    compiled + sharded equal to eager on one rank (:func:`compile_misses`). A process of its own:
+    it runs ComfyUI's model code on the device."""
     label = f"compiled against eager: {scenario}"
     out.mkdir(parents=True, exist_ok=True)
     records = out / "compile.jsonl"
@@ -470,23 +473,45 @@ def compiled_comparison(scenario: str, out: Path, gpu: bool) -> list[Row]:
     if proc.returncode != 0 or not records.exists():
         return [Row(label, False, note=f"bench/run.py failed ({proc.returncode}): {proc.stderr.strip()[-300:]}",
                     figure=f"exit {proc.returncode}")]
-    rows = []
-    tol = 3e-2 if gpu else 1e-5
-    for line in records.read_text().splitlines():
-        r = json.loads(line)
-        ratio = r["compile_speedup_ratio"]
-        ok = r["max_rel_err"] <= tol and not any(r["recompiles_per_rank"])
-        note = (f"eager / compiled ms: 1 rank {r['eager1_ms_median']:.1f} / {r['compiled1_ms_median']:.1f} "
-                f"(gain {r['compile_speedup_world1']:.2f}), 2 ranks {r['eager2_ms_median']:.1f} / "
-                f"{r['compiled2_ms_median']:.1f} (gain {r['compile_speedup_world2']:.2f}); gain 2 / gain 1 "
-                f"{ratio:.2f} ({'meets' if ratio >= 0.95 else 'below'} the CPU target 0.95); first compiled "
-                f"step {r['first_compiled_step_s']} s; recompiles per rank {r['recompiles_per_rank']}; "
-                f"max rel err {r['max_rel_err']:.1e}")
-        figure = (f"gain 2 ranks / 1 rank {ratio:.2f}, recompiles {sum(r['recompiles_per_rank'])}, "
-                  f"max rel err {r['max_rel_err']:.1e}")
-        rows.append(Row(f"compiled against eager: {r['scenario']}", ok, r["max_abs_err"], None, note, data=r,
-                        figure=figure))
-    return rows
+    tol = GPU_REL_TOL if gpu else CPU_REL_TOL
+    return [compile_row(json.loads(line), tol) for line in records.read_text().splitlines()]
+
+
+COMPILE_GAIN_RATIO = 0.95  # issue 18: compiling gains at 2 ranks at least 0.95 of what it gains at 1
+
+
+def compile_misses(r: dict, tol: float) -> list[str]:
+    """What a compiled-against-eager record misses, in words; empty: it passes. Speed is part of
+    the verdict: a compiled run slower than eager, or a gain at 2 ranks below 0.95 of the gain at
+    1, is a miss like a wrong result (a compiled model that is slower is no success)."""
+    misses = []
+    if r["max_rel_err"] > tol:
+        misses.append(f"max rel err {r['max_rel_err']:.1e} over {tol:.0e}")
+    if any(r["recompiles_per_rank"]):
+        misses.append(f"recompiles per rank {r['recompiles_per_rank']}")
+    for world in (1, 2):
+        if r[f"compiled{world}_ms_median"] > r[f"eager{world}_ms_median"]:
+            misses.append(f"compiled slower than eager at {world} rank{'s' if world > 1 else ''} "
+                          f"({r[f'compiled{world}_ms_median']:.1f} vs {r[f'eager{world}_ms_median']:.1f} ms)")
+    if r["compile_speedup_ratio"] < COMPILE_GAIN_RATIO:
+        misses.append(f"gain 2 ranks / 1 rank {r['compile_speedup_ratio']:.2f} below {COMPILE_GAIN_RATIO}")
+    return misses
+
+
+def compile_row(r: dict, tol: float) -> Row:
+    """One record of bench/run.py's compiled scenario as a row: failed, with its misses as the
+    figure, when :func:`compile_misses` names any."""
+    ratio = r["compile_speedup_ratio"]
+    misses = compile_misses(r, tol)
+    note = (f"eager / compiled ms: 1 rank {r['eager1_ms_median']:.1f} / {r['compiled1_ms_median']:.1f} "
+            f"(gain {r['compile_speedup_world1']:.2f}), 2 ranks {r['eager2_ms_median']:.1f} / "
+            f"{r['compiled2_ms_median']:.1f} (gain {r['compile_speedup_world2']:.2f}); gain 2 / gain 1 "
+            f"{ratio:.2f} (target {COMPILE_GAIN_RATIO}); first compiled step {r['first_compiled_step_s']} s; "
+            f"recompiles per rank {r['recompiles_per_rank']}; max rel err {r['max_rel_err']:.1e}")
+    figure = "; ".join(misses) if misses else (f"gain 2 ranks / 1 rank {ratio:.2f}, recompiles 0, "
+                                               f"max rel err {r['max_rel_err']:.1e}")
+    return Row(f"compiled against eager: {r['scenario']}", not misses, r["max_abs_err"], None, note, data=r,
+               figure=figure)
 
 
 # ---------------------------------------------------------------- the parts
