@@ -5,6 +5,7 @@ Pure Python: importing this module starts nothing and touches no
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,7 +23,17 @@ LAYOUTS = ("manual", "auto")
 IMPLEMENTED_DIMS = ("cfg", "ring", "ulysses", "tp")
 
 NODE = "Parallel Config"
-SIZE_MAX = 1024  # the node's widgets stop here; a larger world is refused for its devices anyway
+SIZE_MAX = 1024  # the node's widgets stop here
+# Bounds on what any input can make the pack build, checked before anything is built from it:
+# ComfyUI skips a node's min and max where the node takes its inputs as **kwargs, and the HTTP
+# route takes any JSON, so every size, count, list and text is bounded here, in one place.
+WORLD_MAX = 1024        # the most ranks the pack starts, on one host or several
+TEXT_MAX = 16384        # characters of a text input (a devices list of WORLD_MAX CPU ranks fits)
+NUMBER_DIGITS_MAX = 6   # digits of a number inside a text input (a device index, a rank count, a port)
+MESSAGE_MAX = 1000      # characters of one of the pack's messages; an echoed input is cut to fit
+SHOWN_MAX = 80          # characters of an input echoed in a message
+CLUSTER_KEY_ENV = "PARALLEL_CLUSTER_KEY"  # the shared key of several hosts (world/cluster.py)
+CLUSTER_KEY_MIN = 16
 
 
 @dataclass(frozen=True)
@@ -134,26 +145,53 @@ def describe_sizes(sizes: dict[str, int]) -> str:
     return " x ".join(f"{d}{sizes.get(d, 1)}" for d in MESH_DIMS if sizes.get(d, 1) > 1) or "single rank"
 
 
-def _fail(input_name: str, value, valid: str, node: str = NODE) -> ConfigError:
-    return ConfigError(f"{node}: {input_name}={value!r} is not valid; {valid}")
+def shown(value) -> str:
+    """An input as a message shows it: its repr, cut to SHOWN_MAX characters with its length said
+    (a 400 KB devices list must not come back as a 400 KB message)."""
+    text = repr(value)
+    if len(text) <= SHOWN_MAX:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters written out"
+    return f"{text[:SHOWN_MAX - 20]}... ({size})"
+
+
+def _fail(input_name: str, value, valid: str, node: str = NODE, error=None) -> ConfigError:
+    return (error or ConfigError)(f"{node}: {input_name}={shown(value)} is not valid; {valid}")
+
+
+def example_list(item: str, count: int) -> str:
+    """'cpu,cpu,cpu' for a few ranks; 'cpu,cpu,...' with the count said for many."""
+    if count <= 8:
+        return ",".join([item] * count)
+    return f"{item},{item},... ({count} entries)"
 
 
 def validate_sizes(sizes: dict[str, int], node: str = NODE) -> None:
-    """Sizes must be integers >= 1, and only implemented dimensions may exceed 1."""
+    """Sizes must be whole numbers from 1 to SIZE_MAX, only implemented dimensions may exceed 1,
+    and their product, the world size, is at most WORLD_MAX (refused by its number, not built)."""
     for dim in MESH_DIMS:
         value = sizes.get(dim, 1)
         name = SIZE_INPUTS[dim]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise _fail(name, value, "sizes are whole numbers of at least 1", node)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= SIZE_MAX:
+            raise _fail(name, value, f"sizes are whole numbers from 1 to {SIZE_MAX}", node, InputError)
     for dim in MESH_DIMS:
         value = sizes.get(dim, 1)
         if value > 1 and dim not in IMPLEMENTED_DIMS:
             implemented = ", ".join(SIZE_INPUTS[d] for d in IMPLEMENTED_DIMS)
             raise _fail(SIZE_INPUTS[dim], value,
                         f"this version of the pack runs {implemented} only, so {SIZE_INPUTS[dim]} must be 1", node)
+    check_world_size(world_size_of(sizes.get(dim, 1) for dim in MESH_DIMS), node)
 
 
-_CUDA_ITEM = re.compile(r"^(?:cuda:)?(\d+)$")
+def check_world_size(world_size: int, node: str = NODE) -> None:
+    """A world beyond WORLD_MAX ranks is refused by its number before anything is built for it."""
+    if world_size > WORLD_MAX:
+        raise ConfigError(f"{node}: the sizes multiply to a world size of {world_size}; the pack starts at most "
+                          f"{WORLD_MAX} ranks: reduce ulysses_size, ring_size, tp_size or cfg_size so that "
+                          f"their product is at most {WORLD_MAX}")
+
+
+_CUDA_ITEM = re.compile(r"^(?:cuda:)?(\d{1,%d})$" % NUMBER_DIGITS_MAX)
 
 
 def parse_devices(spec: str, node: str = NODE, share: bool = False) -> list[str] | str:
@@ -177,7 +215,7 @@ def parse_devices(spec: str, node: str = NODE, share: bool = False) -> list[str]
             continue
         match = _CUDA_ITEM.match(item)
         if not match:
-            raise _fail("devices", spec, f"entry {item!r} is neither 'cpu' nor a CUDA index; {valid}", node)
+            raise _fail("devices", spec, f"entry {shown(item)} is neither 'cpu' nor a CUDA index; {valid}", node)
         resolved.append(f"cuda:{int(match.group(1))}")
     kinds = {d.split(":")[0] for d in resolved}
     if len(kinds) > 1:
@@ -217,9 +255,20 @@ def share_devices_requested() -> bool:
     return os.environ.get(SHARE_DEVICE_ENV, "") not in ("", "0")
 
 
-def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE) -> tuple[str, ...]:
+def _ranks_here(ranks: int, world: int | None) -> str:
+    """'the world size 3 (product of the sizes)', or where other hosts run some ranks, 'this host's
+    1 rank of the world's 2'."""
+    if world is None or world == ranks:
+        return f"the world size {ranks} (product of the sizes)"
+    return f"this host's {ranks} rank{'s' if ranks != 1 else ''} of the world's {world} (see hosts)"
+
+
+def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE,
+                    world: int | None = None) -> tuple[str, ...]:
+    """One device per rank of this host: ``world_size`` ranks here, of ``world`` in all (several hosts)."""
     main_is_cuda = host.main_device.startswith("cuda")
     typed = parsed if isinstance(parsed, str) else ",".join(parsed)
+    here = _ranks_here(world_size, world)
     if parsed == "auto":
         parsed = "cuda" if main_is_cuda else "cpu"
         if parsed == "cuda":
@@ -228,25 +277,27 @@ def resolve_devices(parsed, world_size: int, host: HostDevices, node: str = NODE
             if host.share_devices:  # test-only: ranks wrap around the GPUs there are
                 return tuple(f"cuda:{order[r % len(order)]}" for r in range(world_size))
             if world_size > len(order):
-                raise _fail("devices", "auto", f"the world size {world_size} (product of the sizes) needs "
-                            f"{world_size} devices but this machine has {host.cuda_count} CUDA devices; "
-                            f"reduce the sizes so that their product is at most {host.cuda_count}", node)
+                raise _fail("devices", "auto", f"{here} needs {world_size} devices but this machine has "
+                            f"{host.cuda_count} CUDA devices; reduce the sizes so that this machine runs at most "
+                            f"{host.cuda_count} ranks", node)
             return tuple(f"cuda:{i}" for i in order[:world_size])
     if parsed == "cpu":
         if main_is_cuda:
             raise _fail("devices", typed, f"ComfyUI computes on {host.main_device}; start ComfyUI with --cpu "
                         "to run CPU ranks, or use 'auto'", node)
         if world_size > host.cpu_count:
-            raise _fail("devices", typed, f"the world size {world_size} needs {world_size} CPU ranks but ComfyUI "
-                        f"may run on {host.cpu_count} cores; reduce the sizes to a product of at most "
-                        f"{host.cpu_count}, or list the CPU ranks explicitly (for example "
-                        f"'{','.join(['cpu'] * world_size)}') to oversubscribe on purpose", node)
+            raise _fail("devices", typed, f"{here} needs {world_size} CPU ranks but ComfyUI may run on "
+                        f"{host.cpu_count} cores; reduce the sizes so that this machine runs at most "
+                        f"{host.cpu_count} ranks, or list the CPU ranks explicitly (for example "
+                        f"'{example_list('cpu', world_size)}') to oversubscribe on purpose", node)
         return tuple(["cpu"] * world_size)
     devices = list(parsed)
     spec = ",".join(devices)
     if len(devices) != world_size:
-        raise _fail("devices", spec, f"it lists {len(devices)} devices but the sizes multiply to a world size of "
-                    f"{world_size}; give exactly one device per rank", node)
+        what = (f"the sizes multiply to a world size of {world_size}" if world in (None, world_size)
+                else f"this host runs {world_size} of the world's {world} ranks (see hosts)")
+        raise _fail("devices", spec, f"it lists {len(devices)} devices but {what}; give exactly one device per "
+                    "rank" + ("" if world in (None, world_size) else " of this host"), node)
     if devices[0] == "cpu":
         if main_is_cuda:
             raise _fail("devices", spec, f"ComfyUI computes on {host.main_device}; CPU ranks need ComfyUI "
@@ -300,8 +351,10 @@ def parse_hosts(spec: str, world_size: int, tp_size: int, node: str = NODE) -> t
     hosts = []
     for item in text.split(","):
         name, _, count = item.strip().partition(":")
-        if not _HOST_NAME.match(name) or not count.strip().isdigit() or int(count) < 1:
-            raise _fail("hosts", spec, f"entry {item.strip()!r} is not 'name:ranks'; {valid}", node)
+        count = count.strip()
+        if (not _HOST_NAME.match(name) or len(name) > 255 or not count.isdigit()
+                or len(count) > NUMBER_DIGITS_MAX or int(count) < 1):
+            raise _fail("hosts", spec, f"entry {shown(item.strip())} is not 'name:ranks'; {valid}", node)
         hosts.append((name, int(count)))
     names = [n for n, _ in hosts]
     if len(set(names)) != len(names):
@@ -320,7 +373,7 @@ def parse_hosts(spec: str, world_size: int, tp_size: int, node: str = NODE) -> t
 def parse_rendezvous(spec: str, node: str = NODE) -> str:
     text = (spec or "").strip()
     address, _, port = text.rpartition(":")
-    if not address or not port.isdigit() or not 0 < int(port) < 65536:
+    if not address or not port.isdigit() or len(port) > NUMBER_DIGITS_MAX or not 0 < int(port) < 65536:
         raise _fail("rendezvous", spec, "give the address of this machine that the other hosts can reach, "
                     "with a free port, e.g. '10.0.0.1:29600'", node)
     return text
@@ -346,13 +399,14 @@ def parse_weights(spec: str, world_size: int, node: str = NODE) -> tuple[float, 
     text = (spec or "").strip()
     if not text:
         return ()
-    valid = (f"give one positive number per rank ({world_size} here), each rank's relative speed, e.g. "
-             f"'{','.join(['1'] * (world_size - 1) + ['0.5'])}', or leave it empty for an even split")
+    example = ",".join(["1"] * (world_size - 1) + ["0.5"]) if world_size <= 8 else "1,1,...,0.5"
+    valid = (f"give one finite positive number per rank ({world_size} here), each rank's relative speed, e.g. "
+             f"'{example}', or leave it empty for an even split")
     try:
         values = tuple(float(item) for item in text.split(","))
     except ValueError:
         raise _fail("weights", spec, valid, node) from None
-    if len(values) != world_size or any(not v > 0 for v in values):
+    if len(values) != world_size or any(not (v > 0 and math.isfinite(v)) for v in values):
         raise _fail("weights", spec, valid, node)
     return values
 
@@ -373,11 +427,16 @@ def build_config(*, ulysses_size=1, ring_size=1, tp_size=1, cfg_size=1, devices=
         if n != world_size_of(sizes.values()):  # start as Ring over every rank: any model fits
             cfg_size, ring_size, ulysses_size, tp_size = 1, n, 1, 1
     world_size = world_size_of((cfg_size, ring_size, ulysses_size, tp_size))
+    check_world_size(world_size, node)
     host_list = parse_hosts(hosts, world_size, tp_size, node)
     local_ranks = host_list[0][1] if host_list else world_size
-    resolved = resolve_devices(parse_devices(devices, node, share=host.share_devices), local_ranks, host, node)
+    resolved = resolve_devices(parse_devices(devices, node, share=host.share_devices), local_ranks, host, node,
+                               world=world_size)
     if len(host_list) > 1:
         address = parse_rendezvous(rendezvous, node)
+        problem = cluster_key_problem()
+        if problem:
+            raise _fail("hosts", hosts, problem, node)
         resolved = resolved + tuple(f"@{name}" for name, count in host_list[1:] for _ in range(count))
     else:
         address, host_list = "", ()
@@ -401,15 +460,40 @@ def read_inputs(values) -> dict | None:
         if value is None or isinstance(value, (list, tuple)):
             return None
         if spec.kind == "int":
-            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            digits = value.strip().lstrip("-") if isinstance(value, str) else ""
+            if digits.isdigit() and len(digits) <= 2 * NUMBER_DIGITS_MAX:
                 value = int(value)
             elif isinstance(value, float) and value.is_integer():
                 value = int(value)
             # anything else stays as it is: validate_sizes refuses it, naming the input
         else:
-            value = str(value)
+            check_text(spec.name, value)
         inputs[spec.name] = value
     return inputs
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def check_text(name: str, value, node: str = NODE) -> None:
+    """A text input is a string of at most TEXT_MAX characters without control characters (tabs and
+    line ends count as spaces): anything else is no widget's value, refused before it is parsed."""
+    if not isinstance(value, str):
+        raise _fail(name, value, f"it is a {type(value).__name__}; give a text", node, InputError)
+    if len(value) > TEXT_MAX:
+        raise _fail(name, value, f"it is {len(value)} characters long; at most {TEXT_MAX}", node, InputError)
+    if _CONTROL.search(value):
+        raise _fail(name, value, "it holds control characters", node, InputError)
+
+
+def cluster_key_problem() -> str | None:
+    """Why ranks on other hosts cannot be authenticated from this process, or None: the one check
+    that Parallel Config, the validate route, rank 0's listener and the remote agent read."""
+    if len(os.environ.get(CLUSTER_KEY_ENV, "")) >= CLUSTER_KEY_MIN:
+        return None
+    return (f"ranks on other hosts need a shared key of at least {CLUSTER_KEY_MIN} characters in the environment "
+            f"variable {CLUSTER_KEY_ENV}, the same for ComfyUI and every host's remote worker (it authenticates "
+            "every connection; nothing listens on the network without it); set it and restart ComfyUI")
 
 
 def config_from_inputs(values, host: HostDevices, node: str = NODE) -> ParallelConfig | None:
@@ -420,4 +504,16 @@ def config_from_inputs(values, host: HostDevices, node: str = NODE) -> ParallelC
 
 
 class ConfigError(ValueError):
-    """A user-facing configuration problem; the message names node, value and valid choices."""
+    """A user-facing configuration problem; the message names node, value and valid choices, and
+    stays under MESSAGE_MAX characters whatever the input."""
+
+    def __init__(self, message: str = ""):
+        message = str(message)
+        if len(message) > MESSAGE_MAX:
+            message = message[:MESSAGE_MAX - 40] + f"... (message cut from {len(message)} characters)"
+        super().__init__(message)
+
+
+class InputError(ConfigError):
+    """A value no widget of the node can produce: a wrong type, a size out of its range, a text too
+    long or with control characters, a number that is not finite. The HTTP route answers it 400."""

@@ -32,7 +32,7 @@ def test_ulysses_on_cpu_resolves_devices_and_backend():
 @pytest.mark.parametrize("name", ["ulysses_size", "ring_size", "tp_size", "cfg_size"])
 def test_sizes_below_one_are_refused(name):
     msg = refused(**{name: 0})
-    assert f"{name}=0" in msg and "at least 1" in msg
+    assert f"{name}=0" in msg and "from 1 to 1024" in msg
 
 
 def test_context_parallel_meshes_combine():
@@ -126,7 +126,8 @@ def test_ranks_share_one_gpu_only_with_the_test_switch_and_then_through_gloo():
     assert "once" in refused(ulysses_size=2, devices="0,0", host=GPU4)
 
 
-def test_hosts_place_ranks_in_order_and_keep_tp_inside_a_host():
+def test_hosts_place_ranks_in_order_and_keep_tp_inside_a_host(monkeypatch):
+    monkeypatch.setenv("PARALLEL_CLUSTER_KEY", "k" * 16)
     cfg = build_config(ulysses_size=2, tp_size=2, hosts="local:2,gpu-b:2", rendezvous="10.0.0.1:29600", host=CPU2)
     assert cfg.devices == ("cpu", "cpu", "@gpu-b", "@gpu-b") and cfg.multi_host
     assert [cfg.host_of(r) for r in range(4)] == [None, None, "gpu-b", "gpu-b"]

@@ -17,6 +17,7 @@ import time
 from multiprocessing.connection import Client
 
 from .spawn import PACK_ROOT, start_worker
+from ..config import CLUSTER_KEY_ENV, cluster_key_problem
 from ..comfyui_location import comfyui_path as find_comfyui
 
 try:
@@ -65,9 +66,10 @@ def main() -> int:
     parser.add_argument("--devices", default="auto", help="'auto', 'cpu' or a list such as 0,1")
     parser.add_argument("--once", action="store_true", help="exit when ComfyUI goes away instead of waiting again")
     opts = parser.parse_args()
-    key = os.environ.get("PARALLEL_CLUSTER_KEY", "").encode()
-    if len(key) < 16:
-        raise SystemExit("set PARALLEL_CLUSTER_KEY (16 characters or more, the same as ComfyUI's)")
+    problem = cluster_key_problem()
+    if problem:
+        raise SystemExit(problem)
+    key = os.environ[CLUSTER_KEY_ENV].encode()
     devices = local_devices(opts.devices)
     root = comfyui_path()
     info = {"pid": os.getpid(), "cpu_count": os.cpu_count(), "devices": devices[:16]}

@@ -17,8 +17,9 @@ import threading
 import time
 from multiprocessing.connection import Listener
 
+from ..config import CLUSTER_KEY_ENV as KEY_ENV, cluster_key_problem
+
 log = logging.getLogger("parallel")
-KEY_ENV = "PARALLEL_CLUSTER_KEY"
 
 
 class ClusterError(RuntimeError):
@@ -26,12 +27,10 @@ class ClusterError(RuntimeError):
 
 
 def cluster_key() -> bytes:
-    key = os.environ.get(KEY_ENV, "")
-    if len(key) < 16:
-        raise ClusterError(f"ranks on other hosts need a shared key of at least 16 characters in the environment "
-                           f"variable {KEY_ENV}, the same for ComfyUI and every host's remote worker (it "
-                           "authenticates every connection; nothing listens on the network without it)")
-    return key.encode()
+    problem = cluster_key_problem()
+    if problem:
+        raise ClusterError(problem)
+    return os.environ[KEY_ENV].encode()
 
 
 def split_address(address: str) -> tuple[str, int]:

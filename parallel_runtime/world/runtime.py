@@ -12,7 +12,7 @@ import os
 import threading
 import time
 
-from .memory import current_prompt, process_memory
+from .memory import current_prompt, recent_process_memory
 from .workers import WorkerFailure
 from .world import World
 from ..config import ParallelConfig
@@ -75,7 +75,7 @@ class Runtime:
             out = {"world_size": 1, "mesh": {"cfg": 1, "ring": 1, "ulysses": 1, "tp": 1}, "backend": None,
                    "state": "idle", "failure": None, "forwards": 0,
                    "ranks": [{"rank": 0, "device": None, "pid": os.getpid(), "alive": True, "param_bytes": 0,
-                              **process_memory(os.getpid()), "last_forward_ms": None, "forwards": 0}]}
+                              **recent_process_memory(os.getpid()), "last_forward_ms": None, "forwards": 0}]}
         out["last_failure"] = self.last_failure
         out["first_step_check"] = self.first_step_check
         out["block_cache"] = self.block_cache() if self.block_cache is not None else []

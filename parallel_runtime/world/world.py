@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import memory, protocol, settings
 from .cluster import listener_for, split_address
 from .dispatch import Dispatch
-from .memory import device_type, figures_from_row, process_memory, with_current
+from .memory import device_type, figures_from_row, recent_process_memory, with_current
 from .spawn import PACK_ROOT, start_local_worker
 from .watchdog import Watchdog, prepare_nccl_environment
 from .workers import WorkerFailure, WorldStartError, _Worker
@@ -433,7 +433,8 @@ class World(Dispatch):
                 rss = row[len(STATUS_FIELDS)] if len(row) > len(STATUS_FIELDS) else None
                 mem = {"rss_bytes": int(rss) if rss else None, "pss_bytes": None, "uss_bytes": None}
             else:
-                mem = process_memory(pid) if alive else {"rss_bytes": None, "pss_bytes": None, "uss_bytes": None}
+                mem = (recent_process_memory(pid) if alive
+                       else {"rss_bytes": None, "pss_bytes": None, "uss_bytes": None})
             peaks = with_current(peaks, mem, device)
             ranks.append({"rank": rank, "device": device, "pid": pid, "alive": alive, "param_bytes": nbytes,
                           **mem, "gpu_allocated_bytes": None if gpu[0] is None else int(gpu[0]),
