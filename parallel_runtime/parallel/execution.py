@@ -68,6 +68,7 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
             as ctx, \
             compiled_regions(module, plan, compile, layout=repr(mesh.layout.sizes)), \
             cached_blocks(module, plan, arguments.get_options(bound), cache_ranks(mesh, ctx.streams.get)), \
-            model_patches.running(plan, arguments.get_options(bound), list(patch_models), ctx):
+            model_patches.running(plan, arguments.get_options(bound), list(patch_models), ctx,
+                                  (split, mesh.group("cfg"))):
         out = call(*bound.args, **bound.kwargs)
     return cfg.gather_output(out, split, mesh.group("cfg"))

@@ -9,15 +9,23 @@ data for the forward (``running``) and calls it through a stand-in that applies 
 see the whole sequence (the streams the model plan's ``PatchSite`` names, gathered), and each rank
 keeps its own chunk of what they change. Under tensor parallelism alone every rank holds the whole
 tokens and runs the patch as it is.
+
+A patch may keep state from one forward to the next (ComfyUI keeps the object across steps and
+prompts): after each forward rank 0's own object receives the state its declaration lists, as the
+forward left it (``_carry``), so the next forward starts where the unsharded one would; any other
+change of the patch during a forward, or state that no rank holds whole, refuses it by name.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 
 import torch
 
+from .cfg import BatchSplit
 from .sequence import gather_chunks, take_chunk
+from ..distributed import comm
 from ..comfyui_modules import import_module
 from ..plans import user
 from ..plans.base import ModelPlan, PatchSite
@@ -28,6 +36,9 @@ log = logging.getLogger("parallel")
 PATCHES = "patches"
 REPLACES = "patches_replace"
 MARK = "__model_patch__"  # a dict with this key is an encoded patch (plain data, every rank reads it)
+# Rank 0's options only (world/protocol.py keeps it from the workers): object number -> ComfyUI's
+# patch object, which receives the state each forward leaves.
+ORIGINS = "model_patch_origins"
 
 
 class HeldModel:
@@ -122,17 +133,19 @@ def encode(options: dict | None, plan: ModelPlan, x) -> tuple[dict | None, list[
     refuse_unknown(options, plan)
     models: list[torch.nn.Module] = []
     objects: dict[int, int] = {}  # id(patch) -> its number: one object set on several hooks stays one
+    origins: dict[int, object] = {}
     encoded = {kind: {hook: ({} if isinstance(entries, dict) else [None] * len(entries))
                       for hook, entries in (options.get(kind) or {}).items()} for kind in (PATCHES, REPLACES)}
     for kind, hook, key, patch in slots:
         number = objects.get(id(patch))
         if number is None:
             number = objects[id(patch)] = len(objects)
+            origins[number] = patch
             data = {**_encode_one(patch, x, models), "object": number}
         else:  # the same object again (Z-Image's patch: on the noise refiner and the main layers)
             data = {MARK: class_name(patch), "object": number}
         encoded[kind][hook][key] = data
-    return {**options, **{kind: value for kind, value in encoded.items() if kind in options}}, models
+    return {**options, **{kind: value for kind, value in encoded.items() if kind in options}, ORIGINS: origins}, models
 
 
 def _encode_one(patch, x, models: list) -> dict:
@@ -159,13 +172,18 @@ def _encode_one(patch, x, models: list) -> dict:
             "state": state, "models": held, "left": left}
 
 
-def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module]):
+def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module], split: BatchSplit | None):
     module_name, qualname = data["class"]
     cls = import_module(module_name)
     for part in qualname.split("."):
         cls = getattr(cls, part)
     obj = cls.__new__(cls)  # as rank 0's object is, without running the constructor (it encodes images)
     obj.__dict__.update(data["state"])
+    if split is not None and split.parts > 1:  # this CFG group's rows of the state kept for the whole batch
+        for attr in spec.state:
+            if attr in data["state"]:
+                setattr(obj, attr, _map_tensors(data["state"][attr], lambda t: t[split.rows]
+                                                if t.ndim and t.shape[0] == split.size else t))
     for attr, index in data["models"].items():
         setattr(obj, attr, HeldModel(models[index]))
     for attr, answers in data["left"].items():
@@ -174,13 +192,18 @@ def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module]):
 
 
 @contextlib.contextmanager
-def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module], ctx):
+def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module], ctx,
+            batch: tuple[BatchSplit, object] | None = None):
     """For one forward on this rank: the encoded patches in ``options`` become callables that run
-    the patch under its declaration (``ctx``: the context-parallel forward, its streams and group)."""
+    the patch under its declaration (``ctx``: the context-parallel forward, its streams and group;
+    ``batch``: the CFG split of the forward and the CFG group). After the forward, the state the
+    patches keep goes back to rank 0's objects (``_carry``)."""
     slots = list(_slots(options))
     if not slots:
         yield
         return
+    split, cfg_group = batch or (None, None)
+    origins = options.get(ORIGINS)  # rank 0 only
     original = {kind: options[kind] for kind in (PATCHES, REPLACES) if kind in options}
     live = {kind: {hook: ({} if isinstance(entries, dict) else [None] * len(entries))
                    for hook, entries in value.items()} for kind, value in original.items()}
@@ -192,7 +215,8 @@ def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module]
             whole = first[number]
             spec = (user.patch_plan_from_wire(whole[MARK], whole["plan"]) if whole["plan"] is not None
                     else patch_plan_named(whole[MARK]))
-            rebuilt[number] = (Rebuilt(_rebuild(whole, spec, models)), spec)
+            rebuilt[number] = (Rebuilt(_rebuild(whole, spec, models, split), number, whole[MARK], spec,
+                                       judge=origins is not None), spec)
         done, spec = rebuilt[number]
         if kind == PATCHES:
             live[kind][hook][key] = ShardedPatch(done, spec, plan.context_parallel.patch_sites[hook], ctx)
@@ -201,6 +225,7 @@ def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module]
     options.update(live)
     try:
         yield
+        _carry([done for done, _ in rebuilt.values()], origins, ctx, split, cfg_group)
     finally:
         options.update(original)
 
@@ -213,15 +238,37 @@ class ShardedReplace:
         self.rebuilt = rebuilt
 
     def __call__(self, args, extra):
+        self.rebuilt.called(args)
         return self.rebuilt.patch(args, extra)
 
 
 class Rebuilt:
-    """A patch object as this rank runs it for one forward (shared by the hooks it is set on)."""
+    """A patch object as this rank runs it for one forward (shared by the hooks it is set on), and
+    what it was built with, to tell after the forward what the forward changed."""
 
-    def __init__(self, patch):
-        self.patch = patch
+    def __init__(self, patch, number: int, name: str, spec: PatchPlan, judge: bool):
+        self.patch, self.number, self.name, self.spec = patch, number, name, spec
         self.cut = False
+        self.device = None  # where its first call's tensors were (None: not called in this forward)
+        # Rank 0 judges the changes: each attribute's value and form as the forward starts.
+        ours = set(spec.models) | set(spec.left) | {c.arg for c in spec.cut}
+        self.before = {attr: (value, _fingerprint(value)) for attr, value in vars(patch).items()
+                       if attr not in ours} if judge else {}
+
+    def called(self, kwargs) -> None:
+        if self.device is None:
+            self.device = next((v.device for v in (kwargs.values() if isinstance(kwargs, dict) else ())
+                                if isinstance(v, torch.Tensor)), None)
+
+    def changed(self) -> list[str]:
+        """The attributes this forward set, removed, added or changed in place (rank 0)."""
+        now = {attr: value for attr, value in vars(self.patch).items() if attr in self.before
+               or attr not in set(self.spec.models) | set(self.spec.left) | {c.arg for c in self.spec.cut}}
+        names = [attr for attr in now if attr not in self.before]
+        for attr, (value, print_) in self.before.items():
+            if attr not in now or now[attr] is not value or not _same_fingerprint(_fingerprint(value), print_):
+                names.append(attr)
+        return names
 
 
 class ShardedPatch:
@@ -235,6 +282,7 @@ class ShardedPatch:
         return self.rebuilt.patch
 
     def __call__(self, kwargs: dict):
+        self.rebuilt.called(kwargs)
         ctx = self.ctx
         if ctx is None or ctx.parts == 1 or self.site.before_split:
             return self.patch(kwargs)
@@ -296,3 +344,125 @@ def _joint_cuts(site: PatchSite, kwargs: dict, total: int) -> list[tuple[int, in
         raise ValueError("PatchSite.joint takes two keywords and joint_at")
     at = site.joint_at(kwargs, total)
     return [(0, at), (at, total)]
+
+
+# ---------------------------------------------------------------- state kept between forwards
+def _carry(done: list[Rebuilt], origins: dict | None, ctx, split: BatchSplit | None, cfg_group) -> None:
+    """After a forward, on every rank: the declared state of each patch the forward called, whole
+    again under CFG (a collective of the CFG group, so every rank takes part alike); then rank 0
+    refuses a patch whose change cannot be carried and gives the state to ComfyUI's object."""
+    results = []
+    for rebuilt in done:
+        if rebuilt.device is None:  # not called: nothing changed
+            continue
+        state = {attr: rebuilt.patch.__dict__.get(attr) for attr in rebuilt.spec.state}
+        agree = True
+        if split is not None and split.parts > 1 and state:
+            state, agree = _whole_batch(state, split, cfg_group, rebuilt.device)
+        results.append((rebuilt, state, agree))
+    if origins is None:  # a worker: rank 0 judges, and keeps the state
+        return
+    for rebuilt, state, agree in results:
+        _judge(rebuilt, agree, ctx)
+        for attr, value in state.items():
+            setattr(origins[rebuilt.number], attr, value)
+
+
+def _judge(rebuilt: Rebuilt, agree: bool, ctx) -> None:
+    """Refuse, naming the class, a patch whose forward changed what the ranks cannot carry."""
+    spec, changed = rebuilt.spec, rebuilt.changed()
+    what = f"{spec.title} ({rebuilt.name})"
+    undeclared = [attr for attr in changed if attr not in spec.state]
+    if undeclared:
+        raise PatchRefused(
+            f"{what} changed its {_names(undeclared)} during a sharded forward, and its declaration does not list "
+            f"{'it' if len(undeclared) == 1 else 'them'} among the state the class keeps between calls: ComfyUI would "
+            "start the next forward from the changed value, the ranks from the value before. Add it to the patch "
+            f"plan's state=(...) (docs/model_patches.md), or run this patch without Shard Transformer")
+    kept = [attr for attr in changed if attr in spec.state]
+    if kept and spec.tokens == "local" and ctx is not None and ctx.parts > 1:
+        raise PatchRefused(
+            f"{what} keeps its {_names(kept)} between forwards, and under a sequence split (Ulysses, Ring) each "
+            "rank runs it on its own tokens only, so no rank holds the state ComfyUI would: it cannot be carried. "
+            "Run it with CFG or tensor parallelism only, or without Shard Transformer")
+    if not agree:
+        raise PatchRefused(
+            f"{what}: the CFG groups ended the forward with its {_names(spec.state)} in different forms, which "
+            "cannot be put together as ComfyUI would hold it; run it with cfg_size 1, or without Shard Transformer")
+
+
+def _names(attrs) -> str:
+    return ", ".join(f"'{a}'" for a in attrs)
+
+
+def _whole_batch(state: dict, split: BatchSplit, group, device) -> tuple[dict, bool]:
+    """The CFG groups' state put together (every rank of the CFG group calls this alike): a tensor
+    whose first dimension is a group's share of the batch is concatenated in group order where the
+    groups' values differ, and kept once where they agree (state the batch shares, such as an
+    encoded control video). False: the groups' state differs in form, and stays as it is."""
+    tensors: list[torch.Tensor] = []
+    form = _form(state, tensors, ids=False)
+    digest = torch.tensor([int.from_bytes(hashlib.sha256(form.encode()).digest()[:7], "big")], device=device)
+    forms = digest.new_empty(split.parts)
+    comm.all_gather_into(forms, digest, group=group)
+    if not bool((forms == forms[0]).all()):
+        return state, False
+    rows = split.size // split.parts
+    whole: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if t.ndim and t.shape[0] == rows and id(t) not in whole:
+            full = torch.empty((split.size, *t.shape[1:]), dtype=t.dtype, device=device)
+            comm.all_gather_into(full, t.to(device).contiguous(), group=group)
+            parts = full.chunk(split.parts)
+            whole[id(t)] = t if all(torch.equal(p, parts[0]) for p in parts[1:]) else full.to(t.device)
+    return {attr: _map_tensors(value, lambda t: whole.get(id(t), t)) for attr, value in state.items()}, True
+
+
+def _map_tensors(value, fn):
+    """``value`` with each tensor in it (inside tuples, lists, dicts) replaced by ``fn(tensor)``."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, tuple):
+        items = [_map_tensors(v, fn) for v in value]
+        return tuple(items) if type(value) is tuple else type(value)(*items)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _form(value, tensors: list, ids: bool) -> str:
+    """``value``'s form as text, its tensors collected in ``tensors``: containers and plain values as
+    they are, tensors by shape and dtype, other objects by class; ``ids``: tensors and objects by
+    identity too (within one process)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return f"T{tuple(value.shape)}{value.dtype}" + (f"@{id(value)}" if ids else "")
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}({','.join(_form(v, tensors, ids) for v in value)})"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k!r}:{_form(v, tensors, ids)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    return type(value).__qualname__ + (f"@{id(value)}" if ids else "")
+
+
+def _fingerprint(value) -> tuple[str, list]:
+    """What tells whether ``value`` changed, in place too: its form with identities, and the sum and
+    sum of squares of each tensor (on its device; compared once the forward is done)."""
+    tensors: list[torch.Tensor] = []
+    form = _form(value, tensors, ids=True)
+    sums = []
+    for t in tensors:
+        data = t.detach()
+        if data.is_complex() or data.dtype == torch.bool:
+            data = torch.view_as_real(data) if data.is_complex() else data.to(torch.uint8)
+        sums.append(torch.stack([data.sum(dtype=torch.float64), data.pow(2).sum(dtype=torch.float64)]))
+    return form, sums
+
+
+def _same_fingerprint(a: tuple[str, list], b: tuple[str, list]) -> bool:
+    if a[0] != b[0] or len(a[1]) != len(b[1]):
+        return False
+    return all(bool(((x == y) | (x.isnan() & y.isnan())).all()) for x, y in zip(a[1], b[1]))

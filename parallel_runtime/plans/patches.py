@@ -22,6 +22,13 @@ part of the work:
   streams the model plan's ``PatchSite`` names, runs the patch on the whole sequence as the
   unsharded model does, and keeps its own chunk of the result.
 - ``hooks``: the ``transformer_options["patches"]`` entries the class is set on.
+- ``state``: attributes the patch changes during a forward and reads in the next (ComfyUI keeps the
+  object, so its state carries across steps and prompts). After each sharded forward rank 0's own
+  object receives what the forward left, as it would unsharded; under CFG a state tensor whose first
+  dimension is a group's share of the batch is gathered from the groups. A ``"whole"`` patch sees
+  the whole sequence, so every rank ends with the same state; a ``"local"`` patch under a sequence
+  split ends with its rank's own, which cannot be carried, and is refused when it changes. Any other
+  attribute that a forward changes refuses the patch by name.
 
 A patch class with no declaration here is refused by name before any rank starts work.
 """
@@ -49,6 +56,8 @@ class PatchPlan:
     # Attribute -> the zero-argument methods whose answers travel in its place (the VAE's compression).
     left: dict[str, tuple[str, ...]] = field(default_factory=dict)
     cut: tuple[Split, ...] = ()  # "local": the attributes cut like a stream (Split.arg: the attribute)
+    # Attributes the class keeps between calls, carried back to rank 0's object after each forward.
+    state: tuple[str, ...] = ()
     # Rank 0, before each forward: ``prepare(patch, x)`` with the model's input latent ``x``.
     prepare: "Callable[[object, object], None] | None" = None
     # A user plan file's (plans/user.py): (the file, its text), which the workers build it from.
@@ -100,10 +109,14 @@ PLANS: tuple[PatchPlan, ...] = (
     PatchPlan(classes=(f"{NODES}.ZImageControlPatch",), title="Z-Image Fun ControlNet",
               hooks=("double_block", "noise_refiner"), tokens="whole",
               left={"vae": VAE_FACTS, "image": (), "inpaint_image": (), "mask": ()},
-              prepare=_encoded_at_latent_size("Z-Image Fun ControlNet")),
+              # Its control stream and the last control layer run; reset after the last control
+              # layer, which a model of fewer than about 21 main layers never reaches.
+              state=("temp_data",), prepare=_encoded_at_latent_size("Z-Image Fun ControlNet")),
     PatchPlan(classes=(f"{NODES}.WanUni3CCnetPatch",), title="Wan Uni3C ControlNet",
               hooks=("double_block",), tokens="whole", left={"vae": VAE_FACTS, "render_video": ()},
-              prepare=_render_encoded),
+              # Its control stream between blocks (reset at block 0) and the render latent it casts
+              # to the model's dtype and device at its first call.
+              state=("temp_data", "prepared_render"), prepare=_render_encoded),
 )
 
 

@@ -20,12 +20,14 @@ import uuid
 import torch
 
 from ..distributed import comm
+from ..parallel.model_patches import ORIGINS
 
 # transformer_options entries that orchestrate sampling on rank 0 and are not
 # part of the computation the workers repeat: wrappers and callbacks run on rank 0
 # around the sharded forward; "easycache" is the state of ComfyUI's EasyCache and
-# LazyCache, read only by their own wrappers (which run outside ours).
-RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks", "easycache", "hybrid_parallel_compile"})
+# LazyCache, read only by their own wrappers (which run outside ours). The model patches' origins are
+# ComfyUI's patch objects, which receive the state each forward leaves (parallel/model_patches.py).
+RANK0_ONLY_KEYS = frozenset({"wrappers", "callbacks", "easycache", "hybrid_parallel_compile", ORIGINS})
 # Entries that hold callables when another node patches the model: they would
 # change rank 0's computation only, so they are refused when non-empty. ("patches" and
 # "patches_replace" are not: parallel/model_patches.py encodes the declared patch classes in them as

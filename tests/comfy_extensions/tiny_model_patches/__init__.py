@@ -13,6 +13,9 @@ patch objects run them unchanged:
 - ``z_image_fun_2_1``: ``ZImage_Control`` as ModelPatchLoader configures a Fun ControlNet 2.1 file
   (15 control layers, 17 inpaint channels, control noise refiner) at the tiny Z-Image's width,
   heads, FFN and norms (it runs on the model's rope ``pe``, ``adaln_input`` and image tokens).
+- ``z_image_fun_2_1_lite``: the same as ModelPatchLoader configures a Fun ControlNet 2.1 lite file
+  (3 control layers): with fewer than 21 main layers its patch keeps its control stream from one
+  forward to the next (tests/test_patch_state.py).
 - ``wan_uni3c``: ``WanUni3CControlnet`` over the tiny Wan's width (its conditioning is Wan's time
   embedding, 256 wide, which WanUni3CControlnetApply compares with the model's ``dim``), on 20 +
   16 channels (latent and I2V mask, then the render video's 16-channel latent).
@@ -33,7 +36,7 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.ops
 
-KINDS = ("qwen_diffsynth", "z_image_fun_2_1", "wan_uni3c")
+KINDS = ("qwen_diffsynth", "z_image_fun_2_1", "wan_uni3c", "z_image_fun_2_1_lite")
 
 # The tiny transformers' sizes (tools/tiny_families.py: "qwen_image", "z_image", "wan").
 WIDTH = 256
@@ -65,12 +68,14 @@ def build_patch_model(kind: str, device=None) -> torch.nn.Module:
     if kind == "qwen_diffsynth":
         return _stock_patch_nodes().QwenImageBlockWiseControlNet(num_layers=QWEN_BLOCKS, in_dim=QWEN_IN,
                                                                  additional_in_dim=0, dim=WIDTH, **common)
-    if kind == "z_image_fun_2_1":
-        # ModelPatchLoader's Fun ControlNet 2.1 branch: n_control_layers 15, additional_in_dim 17,
-        # refiner_control; the rest as the tiny NextDiT (multiple_of 256, norm_eps 1e-5: its defaults).
+    if kind in ("z_image_fun_2_1", "z_image_fun_2_1_lite"):
+        # ModelPatchLoader's Fun ControlNet 2.1 branch: n_control_layers 15 (the lite file: 3),
+        # additional_in_dim 17, refiner_control; the rest as the tiny NextDiT (multiple_of 256, norm_eps
+        # 1e-5: its defaults).
         return importlib.import_module("comfy.ldm.lumina.controlnet").ZImage_Control(  # newer than ComfyUI 0.3.75
             dim=WIDTH, n_heads=HEADS, n_kv_heads=HEADS, multiple_of=256, ffn_dim_multiplier=Z_IMAGE_FFN_MULTIPLIER,
-            norm_eps=1e-5, qk_norm=True, n_control_layers=15, control_in_dim=16, additional_in_dim=17,
+            norm_eps=1e-5, qk_norm=True, n_control_layers=3 if kind.endswith("_lite") else 15, control_in_dim=16,
+            additional_in_dim=17,
             refiner_control=True, broken=False, **common)
     if kind == "wan_uni3c":
         return importlib.import_module("comfy.ldm.wan.uni3c").WanUni3CControlnet(  # newer than ComfyUI 0.3.75
@@ -247,3 +252,48 @@ class TinyBlockReplace:
 
 
 NODE_CLASS_MAPPINGS["TinyBlockReplace"] = TinyBlockReplace
+
+
+class TinyCountingBoost(TinyDoubleBlockBoost):
+    """A block replacement that keeps state between forwards, as some patches do: it counts its
+    calls, and the change it makes grows with the count, so a forward that starts from another count
+    than ComfyUI's (a rank that rebuilt the patch from the count before) changes the result. Runs
+    sharded only with a declaration that lists ``calls`` as its state (tests/test_patch_state.py)."""
+
+    def __init__(self, strength: float, hidden: int, seed: int):
+        super().__init__(strength, hidden, seed)
+        self.calls = 0
+
+    def __call__(self, args, extra):
+        self.calls += 1
+        out = extra["original_block"](args)
+        out["img"] = out["img"] + self.strength * self.calls * torch.tanh(out["img"]) * self.scale.to(out["img"])
+        return out
+
+
+class TinyCountingBlockReplace(TinyBlockReplace):
+    def patch(self, model, strength, seed):
+        hidden = model.get_model_object("diffusion_model").hidden_size
+        patched = model.clone()
+        patched.set_model_patch_replace(TinyCountingBoost(strength, hidden, seed), "dit", "double_block", 0)
+        return (patched,)
+
+
+class TinyModelTag:
+    """The model as it is, under a tag: a graph that changes the tag gets new objects from the nodes
+    after it (ComfyUI caches a node's output by its inputs and its ancestors'), so a test starts a
+    patch's state afresh without changing what is computed."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "tag": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "tag"
+    CATEGORY = "testing"
+
+    def tag(self, model, tag):
+        return (model,)
+
+
+NODE_CLASS_MAPPINGS.update(TinyCountingBlockReplace=TinyCountingBlockReplace, TinyModelTag=TinyModelTag)
