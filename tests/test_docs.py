@@ -22,7 +22,14 @@ def test_readme_names_the_commands_ci_runs():
     section = section[:section.index("\n## ", 1)]
     commands = re.findall(r"^\|.*\| `([^`]+)` \|$", section, re.M)
     assert commands == ["bash tools/demo.sh", "bash tools/test.sh"], commands
-    assert "CI runs this through `.ci/run`" in section
+    # What the README says CI runs is what .ci/run runs: the full tier on 0.33.0, the smoke subset
+    # (and the main job) on 0.3.75.
+    assert "CI, `.ci/run`: `--full` on 0.33.0, the main job and `-m smoke` on 0.3.75" in section
+    assert re.search(r"^PARALLEL_COMFYUI_VERSION=0\.33\.0 bash tools/test\.sh --full\b", ci, re.M), ci
+    assert re.search(r"^PARALLEL_COMFYUI_VERSION=0\.3\.75 bash tools/test\.sh .*-m smoke", ci, re.M), ci
+    assert re.search(r"^PARALLEL_COMFYUI_VERSION=0\.3\.75 bash tools/demo\.sh", ci, re.M), ci
+    versions = readme[readme.index("## Tested ComfyUI versions"):]
+    assert "| 0.33.0 (2026-08-22) | in CI: the whole suite, `--full` |" in versions
 
 
 README_LIMIT_BYTES = 30_000  # a README a user reads in five minutes (issue 30); depth goes to docs/
