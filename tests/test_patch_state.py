@@ -16,10 +16,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from comfy_server import PromptFailed
 from test_comfy_families import final_latents, max_error
 from test_model_patches import LAYOUTS, NEEDS, TOL
+from test_tiny_model_patches import extension, sample, tiny_transformer, z_image_case  # noqa: F401 (a fixture)
 from tiny_families import _available, family_prompt, patched_prompt
 
 
@@ -140,3 +142,19 @@ def test_a_declared_counting_patch_is_carried(tiny_server, plan_file, layout):
     print(f"\nFlux with the counting patch, 3 steps x {len(SEEDS)} prompts under {layout}: max abs err "
           + ", ".join(f"{e:.2e}" for e in errors))
     assert max(errors) <= TOL
+
+
+def test_the_lite_patch_keeps_state_between_forwards(extension):
+    """What makes the comparisons above able to fail: in process, the lite patch's second forward on
+    the tiny Z-Image differs from its first, which a fresh patch object repeats."""
+    if not _available(NEEDS["z_image"]):
+        pytest.skip(f"ZImageFunControlnet comes with a later ComfyUI: this one has no {NEEDS['z_image']}")
+    model = tiny_transformer("z_image")
+    loader = extension.TinyModelPatchLoader()
+    _, args, kwargs, patches = z_image_case(extension, loader.load_model_patch("z_image_fun_2_1_lite", 3)[0])
+    first, second = (sample(model, args, kwargs, patches) for _ in range(2))
+    assert patches["double_block"][0].temp_data is not None  # what the first forward left
+    _, _, _, fresh = z_image_case(extension, loader.load_model_patch("z_image_fun_2_1_lite", 3)[0])
+    assert torch.equal(sample(model, args, kwargs, fresh), first)
+    print(f"\nthe state the first forward left changes the second by {(second - first).abs().max().item():.2e}")
+    assert (second - first).abs().max().item() > 1e-3

@@ -250,10 +250,11 @@ class Rebuilt:
         self.patch, self.number, self.name, self.spec = patch, number, name, spec
         self.cut = False
         self.device = None  # where its first call's tensors were (None: not called in this forward)
-        # Rank 0 judges the changes: each attribute's value and form as the forward starts.
-        ours = set(spec.models) | set(spec.left) | {c.arg for c in spec.cut}
+        # Rank 0 judges the changes: each attribute's value and form as the forward starts (not those
+        # the pack itself sets in place of what stays on rank 0 or is cut).
+        self.ours = set(spec.models) | set(spec.left) | {c.arg for c in spec.cut}
         self.before = {attr: (value, _fingerprint(value)) for attr, value in vars(patch).items()
-                       if attr not in ours} if judge else {}
+                       if attr not in self.ours} if judge else {}
 
     def called(self, kwargs) -> None:
         if self.device is None:
@@ -262,8 +263,7 @@ class Rebuilt:
 
     def changed(self) -> list[str]:
         """The attributes this forward set, removed, added or changed in place (rank 0)."""
-        now = {attr: value for attr, value in vars(self.patch).items() if attr in self.before
-               or attr not in set(self.spec.models) | set(self.spec.left) | {c.arg for c in self.spec.cut}}
+        now = {attr: value for attr, value in vars(self.patch).items() if attr not in self.ours}
         names = [attr for attr in now if attr not in self.before]
         for attr, (value, print_) in self.before.items():
             if attr not in now or now[attr] is not value or not _same_fingerprint(_fingerprint(value), print_):
@@ -385,6 +385,13 @@ def _judge(rebuilt: Rebuilt, agree: bool, ctx) -> None:
             f"{what} keeps its {_names(kept)} between forwards, and under a sequence split (Ulysses, Ring) each "
             "rank runs it on its own tokens only, so no rank holds the state ComfyUI would: it cannot be carried. "
             "Run it with CFG or tensor parallelism only, or without Shard Transformer")
+    for attr in kept:
+        odd = _unsendable(rebuilt.patch.__dict__.get(attr))
+        if odd is not None:
+            raise PatchRefused(
+                f"{what}: its '{attr}' holds a {odd} after the forward, which cannot be sent to the other ranks with "
+                "the next forward (tensors, numbers, strings and lists, tuples, dicts of them can); run this patch "
+                "without Shard Transformer")
     if not agree:
         raise PatchRefused(
             f"{what}: the CFG groups ended the forward with its {_names(spec.state)} in different forms, which "
@@ -446,6 +453,17 @@ def _form(value, tensors: list, ids: bool) -> str:
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
         return repr(value)
     return type(value).__qualname__ + (f"@{id(value)}" if ids else "")
+
+
+def _unsendable(value) -> str | None:
+    """The class of the first object in ``value`` that is no tensor, plain value or container."""
+    if isinstance(value, (list, tuple)):
+        return next((odd for odd in map(_unsendable, value) if odd is not None), None)
+    if isinstance(value, dict):
+        return next((odd for odd in map(_unsendable, (*value.keys(), *value.values())) if odd is not None), None)
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, complex, str, bytes)):
+        return None
+    return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
 def _fingerprint(value) -> tuple[str, list]:
