@@ -53,7 +53,8 @@ class ConfigInput:
 # A new input is added here (optional, with a default) and in build_config; nothing else lists them.
 CONFIG_INPUTS = (
     ConfigInput("ulysses_size", "int", 1, "Context parallelism by heads (Ulysses): ranks that split the tokens "
-                "and exchange attention heads. Must divide the model's attention head count."),
+                "and exchange attention heads. Any size: heads it does not divide are padded (each rank "
+                "attends the largest share)."),
     ConfigInput("ring_size", "int", 1, "Context parallelism by key/value blocks passed around a ring "
                 "(Ring attention)."),
     ConfigInput("tp_size", "int", 1, "Tensor parallelism: ranks that split each layer's weights."),

@@ -71,7 +71,7 @@ def test_the_shape_is_read_from_the_run(wan):
     assert shape.linear_calls == sum(isinstance(m, torch.nn.Linear) for m in model.blocks.modules())
 
 
-def test_cfg_is_never_chosen_at_cfg_1_and_heads_that_do_not_divide_are_refused(wan):
+def test_cfg_is_never_chosen_at_cfg_1_and_tp_that_does_not_divide_is_refused(wan):
     model, inputs = wan
     plan = find_plan(model)
     config = build_config(devices="cpu,cpu,cpu,cpu", layout="auto", host=HostDevices("cpu", cpu_count=4))
@@ -79,13 +79,22 @@ def test_cfg_is_never_chosen_at_cfg_1_and_heads_that_do_not_divide_are_refused(w
     runnable, refused = auto_layout.choose(model, plan, one, fake_probe(4), config, 4)
     assert runnable and all(p.sizes["cfg"] == 1 for p in runnable)
     assert "nothing to split" in refused["cfg4"] and "nothing to split" in refused["cfg2 x ulysses2"]
-    assert "does not divide" in refused["ulysses4"]  # the tiny Wan has 2 heads
+    assert "does not divide" in refused["tp4"]  # the tiny Wan has 2 heads
+    # Ulysses 4 over 2 heads runs (padded heads): each rank attends one head over every token, as under
+    # Ulysses 2, so the cost model predicts the same attention time for both, not half of it.
+    predicted = {auto_layout.describe_sizes(p.sizes): p for p in runnable}
+    assert "ulysses4" in predicted and "ulysses4" not in refused
+    rates = cost_model.Rates.from_probe(fake_probe(4))
+    # one head over every query row of the group: 4 * ceil(T / 4) rows against 2 * ceil(T / 2)
+    rows = (4 * -(-one.tokens // 4)) / (2 * -(-one.tokens // 2))
+    assert cost_model.predict(one, {"ulysses": 4}, rates).parts["attention"] == pytest.approx(
+        rows * cost_model.predict(one, {"ulysses": 2}, rates).parts["attention"])
     # One rule: Shard Transformer (the pack as ComfyUI imports it) refuses that layout in the same words.
     pack_config = PACK.parallel_runtime.config
     with pytest.raises(pack_config.ConfigError) as node_refusal:
         PACK.nodes.shard_transformer.check_model(model, pack_config.build_config(
-            ulysses_size=4, devices="cpu,cpu,cpu,cpu", host=pack_config.HostDevices("cpu", cpu_count=4)))
-    assert str(node_refusal.value) == f"Shard Transformer: {refused['ulysses4']}"
+            tp_size=4, devices="cpu,cpu,cpu,cpu", host=pack_config.HostDevices("cpu", cpu_count=4)))
+    assert str(node_refusal.value) == f"Shard Transformer: {refused['tp4']}"
     two = shape_of(model, inputs(2))
     runnable, refused = auto_layout.choose(model, plan, two, fake_probe(4), config, 4)
     assert any(p.sizes["cfg"] == 2 for p in runnable) and "cfg2 x ring2" not in refused

@@ -23,7 +23,10 @@ pytestmark = pytest.mark.multirank
 LAYOUT_MAJOR = True  # conftest runs the tests grouped by layout: the world restarts once per layout
 TOL = 1e-4
 TP2_BYTES_LIMIT = 0.52
-LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "tp2": {"tp_size": 2}}
+# Ulysses 3 over the tiny families' two heads: padded heads (parallel/heads.py), one rank of padding only.
+LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "tp2": {"tp_size": 2},
+           "ulysses3": {"ulysses_size": 3, "devices": "cpu,cpu,cpu"}}
+ULYSSES3_QUICK = ("wan", "flux")
 
 # TP 2 through the server in the default run: the reference families and those whose TP has no
 # in-process case (LTX-2's audio and video, ERNIE-Image's object-patched forward, MiniMax-H3).
@@ -37,6 +40,8 @@ def QUICK_TIER(test: str, params: dict) -> bool:
     weights on MiniMax-H3, the other layouts
     for the two-stream families (LTX-2's audio and video, MiniMax-H3's packed segments) and one Hunyuan
     model; ``--full`` runs them all."""
+    if test == "test_family_equals_unsharded" and params["layout"] == "ulysses3":
+        return params["family"] in ULYSSES3_QUICK
     if test == "test_family_equals_unsharded":
         return params["layout"] != "tp2" or params["family"] in TP_QUICK
     if test == "test_four_rank_hybrids":
@@ -91,7 +96,8 @@ def test_family_equals_unsharded(tiny_server, layout, family):
         line += f"; weights per rank / file = {[round(s, 3) for s in shares]}"
     print(line)
     assert err <= TOL
-    assert info["mesh"]["ulysses" if layout == "ulysses2" else "tp"] == 2
+    assert info["mesh"] == {"cfg": 1, "ring": 1, "tp": 1, "ulysses": 1, **{
+        name.removesuffix("_size"): size for name, size in LAYOUTS[layout].items() if name.endswith("_size")}}
     if layout == "tp2":
         assert len(shares) == 2 and max(shares) <= TP2_BYTES_LIMIT and min(shares) > 0
 

@@ -1,7 +1,8 @@
 """Context parallelism for every supported family and mesh, against one process, in fp32.
 
 Multi-rank: rank 0 is this process, the other ranks are real worker processes.
-Meshes: Ulysses 2, Ring 2, USP 2x2 (4 ranks), cfg 2 x Ulysses 2 (4 ranks).
+Meshes: Ulysses 2, Ring 2, USP 2x2 (4 ranks), cfg 2 x Ulysses 2 (4 ranks), Ulysses 3 (more ranks
+than the cases' two heads: padded).
 
 LTX-2 (ComfyUI 0.33 on) has two token streams of different lengths and attention between them
 (queries from one split stream, keys and values from the other); its cases are here, also under
@@ -22,6 +23,8 @@ MESHES = {
     "ring2": dict(ring_size=2),
     "usp2x2": dict(ring_size=2, ulysses_size=2),
     "cfg2_ulysses2": dict(cfg_size=2, ulysses_size=2),
+    # A Ulysses size that does not divide the heads (two here): padded heads, one rank of padding only.
+    "ulysses3": dict(ulysses_size=3),
 }
 
 

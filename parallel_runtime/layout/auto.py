@@ -28,6 +28,7 @@ from ..distributed.mesh import MeshLayout
 from ..parallel import scoped_hooks
 from ..parallel.attention import attention_with_lse
 from ..parallel.compile_regions import region_patterns
+from ..parallel.heads import head_share
 from ..plans import ModelPlan
 from ..plans.base import MAIN_STREAM
 from ..plans.matching import matching_modules, on_item, replace_arguments
@@ -169,7 +170,7 @@ def attention_site_seconds(shape: cost_model.ModelShape, layouts: list[dict[str,
     out = {}
     for sizes in layouts:
         key = (sizes["ring"], sizes["ulysses"], sizes["tp"])
-        heads = shape.heads // (sizes["ulysses"] * sizes["tp"])
+        heads = head_share(shape.heads // sizes["tp"], sizes["ulysses"])  # padded heads included
         if key in out or heads < 1:
             continue
         ring = sizes["ring"]

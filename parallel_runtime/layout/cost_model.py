@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import MESH_DIMS
+from ..parallel.heads import head_share
 
 # Elementwise passes over the residual stream per block (norm, modulation, gate, residual, the
 # activation on the wider MLP state): a model constant, not a measurement.
@@ -108,6 +109,12 @@ class Rates:
         return count * (link["latency_s"] + nbytes / link["bytes_per_s"]) if count and nbytes >= 0 else 0.0
 
 
+def ulysses_padding(heads: int, ulysses: int) -> float:
+    """Attention work per Ulysses rank against an even split: ``head_share * ulysses / heads`` (1.0
+    where Ulysses divides the heads; 4 heads on 3 ranks: 2 each, 1.5)."""
+    return head_share(heads, ulysses) * ulysses / heads if heads > 0 else 1.0
+
+
 def predict(shape: ModelShape, sizes: dict[str, int], rates: Rates) -> Prediction:
     cfg, ring, ulysses, tp = (sizes.get(d, 1) for d in MESH_DIMS)
     groups = cfg if shape.batch % cfg == 0 else 1  # a batch that does not divide: every group runs it whole
@@ -121,7 +128,9 @@ def predict(shape: ModelShape, sizes: dict[str, int], rates: Rates) -> Predictio
         (shape.sample_macs_split / tp + shape.sample_macs_whole) / groups
     matmul = 2.0 * macs / rates.matmul_flops_per_s + shape.linear_calls * rates.op_overhead_s
     # Ulysses: every token's queries for 1/ulysses of the heads; Ring: 1/ring of the queries, all heads.
-    attention_flops = shape.attention_sites * 4.0 * batch * local_tokens * shape.tokens * shape.hidden / tp
+    # A Ulysses size that does not divide the heads pads them: every rank attends the largest share.
+    padding = ulysses_padding(shape.heads // tp if shape.heads >= tp else 1, ulysses)
+    attention_flops = shape.attention_sites * 4.0 * batch * local_tokens * shape.tokens * shape.hidden / tp * padding
     measured_site = (rates.site_seconds or {}).get((ring, ulysses, tp))
     if measured_site is not None:
         attention = shape.attention_sites * measured_site / groups
@@ -129,7 +138,7 @@ def predict(shape: ModelShape, sizes: dict[str, int], rates: Rates) -> Predictio
         attention = attention_flops / (rates.ring_attention_flops_per_s if ring > 1 else rates.attention_flops_per_s)
     elementwise = shape.blocks * ELEMENTWISE_PASSES * rows * shape.hidden * e / rates.memory_bytes_per_s
 
-    stream_bytes = rows * shape.hidden / tp * e  # one rank's q, k, v or out at an attention site
+    stream_bytes = rows * shape.hidden / tp * e * padding  # one rank's q, k, v or out at an attention site
     parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise}
     sent = 0.0
     if ulysses > 1:

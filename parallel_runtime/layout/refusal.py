@@ -21,7 +21,7 @@ def plan_refusal(module, plan: ModelPlan, sizes: dict[str, int]) -> str | None:
         if size > 1 and dim not in plan.supports:
             return f"{plan.title} supports {', '.join(plan.supports)} here, not {dim}_size={size}; set {dim}_size to 1"
     heads = plan.heads(module)
-    tp, ulysses = int(sizes.get("tp", 1)), int(sizes.get("ulysses", 1))
+    tp = int(sizes.get("tp", 1))
     if tp > 1:
         try:
             layer_specs(module, plan.tensor_parallel)  # every layer the plan cuts is there
@@ -38,12 +38,7 @@ def plan_refusal(module, plan: ModelPlan, sizes: dict[str, int]) -> str | None:
                                for name, path in plan.tensor_parallel.divisible.items())
             return (f"tp_size={tp} does not divide this {plan.title} model's {heads} attention heads and {widths}; "
                     f"valid tp_size values: {', '.join(map(str, valid))}")
-    local_heads = heads // tp
-    if local_heads % ulysses:
-        valid = [d for d in range(1, local_heads + 1) if local_heads % d == 0]
-        per_rank = f" ({local_heads} per tensor-parallel rank)" if tp > 1 else ""
-        return (f"ulysses_size={ulysses} does not divide the {heads} attention heads of this {plan.title} "
-                f"model{per_rank}; valid ulysses_size values: {', '.join(map(str, valid))}")
+    # Ulysses takes any size: heads it does not divide are padded (parallel/heads.py).
     return None
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .heads import drop_padding, head_slots, pad_heads
 from .sequence import pad_along
 from ..distributed import comm
 
@@ -317,8 +318,8 @@ class SequenceParallel:
 
 def _checked_call(args, kwargs, sp: SequenceParallel, layouts: dict) -> tuple[int, bool]:
     """(heads, whether q/k/v come as [B, H, S, D]) of an attention call a context-parallel site may
-    take: no mask, heads that Ulysses divides, and q/k/v of this rank's chunk lengths (``layouts``:
-    argument index -> its layout)."""
+    take: no mask, and q/k/v of this rank's chunk lengths (``layouts``: argument index -> its
+    layout). Any head count: where Ulysses does not divide it, the heads are padded (``heads``)."""
     heads = _heads_of(args, kwargs)
     mask = kwargs.get("mask", args[4] if len(args) > 4 else None)
     if mask is not None:
@@ -326,8 +327,6 @@ def _checked_call(args, kwargs, sp: SequenceParallel, layouts: dict) -> tuple[in
                            "attention (for example a padded prompt batch or a style model's attention mask); "
                            "masks there are not supported yet")
     head_layout = bool(kwargs.get("skip_reshape", False))
-    if heads % sp.ulysses_size:
-        raise RuntimeError(f"Ulysses: {heads} attention heads do not divide by the Ulysses size {sp.ulysses_size}")
     for i, layout in layouts.items():
         if args[i].shape[-2 if head_layout else 1] != layout.local_length:
             raise RuntimeError(f"context parallel: attention got {args[i].shape} but this rank's joint chunk has "
@@ -341,17 +340,27 @@ def context_parallel_attention(attend, args, kwargs, *, sp: SequenceParallel, la
     ``kv_layout``: the keys and values come from other streams than the queries (cross-stream)."""
     if kv_layout is not None and kv_layout is not layout:
         return cross_stream_attention(attend, args, kwargs, sp=sp, q_layout=layout, kv_layout=kv_layout)
-    q, k, v = args[:3]
     heads, head_layout = _checked_call(args, kwargs, sp, {0: layout})
-    U, R = sp.ulysses_size, sp.ring_size
     heads_first = bool(kwargs.get("skip_output_reshape", False))
-    qkv = [layout.pad_local(to_bhsd(t, heads, head_layout), 2) for t in (q, k, v)]  # [B, H, S, D] each
+    slots = head_slots(heads, sp.ulysses_size)  # None: Ulysses divides the heads
+    # [B, H', S, D] each: this rank's padded chunk, the heads padded to a multiple of the Ulysses size
+    qkv = [pad_heads(layout.pad_local(to_bhsd(t, heads, head_layout), 2), slots, sp.ulysses_size) for t in args[:3]]
+    out = _joint_attention(attend, args, kwargs, sp, layout, qkv, heads_first)
+    return drop_padding(out, slots, qkv[0].shape[1], heads_first)
+
+
+def _joint_attention(attend, args, kwargs, sp: SequenceParallel, layout: JointLayout, qkv: list,
+                     heads_first: bool):
+    """``context_parallel_attention`` of q, k, v as [B, H', S, D] (H' a multiple of the Ulysses
+    size); returns this rank's chunk as the call returns it, H' heads."""
+    U, R = sp.ulysses_size, sp.ring_size
+    heads = qkv[0].shape[1]
     # Real tokens of the U chunks this rank holds after the exchange (its ring block).
     block_ranks = lambda ring: range(ring * U, ring * U + U)  # noqa: E731
     if R == 1:
         real = layout.gathered(block_ranks(0))
         if real is not None:
-            real = real.to(q.device)
+            real = real.to(qkv[0].device)
 
         def attend_heads(q2, k2, v2):
             if real is not None:
@@ -422,10 +431,20 @@ def cross_stream_attention(attend, args, kwargs, *, sp: SequenceParallel, q_layo
     query chunk."""
     q, k, v = args[:3]
     heads, head_layout = _checked_call(args, kwargs, sp, {0: q_layout, 1: kv_layout})
-    U, R = sp.ulysses_size, sp.ring_size
     heads_first = bool(kwargs.get("skip_output_reshape", False))
-    q = q_layout.pad_local(to_bhsd(q, heads, head_layout), 2)
-    k2, v2 = (kv_layout.pad_local(to_bhsd(t, heads, head_layout), 2) for t in (k, v))
+    slots = head_slots(heads, sp.ulysses_size)  # None: Ulysses divides the heads
+    q = pad_heads(q_layout.pad_local(to_bhsd(q, heads, head_layout), 2), slots, sp.ulysses_size)
+    k2, v2 = (pad_heads(kv_layout.pad_local(to_bhsd(t, heads, head_layout), 2), slots, sp.ulysses_size)
+              for t in (k, v))
+    out = _cross_stream(attend, args, kwargs, sp, q_layout, kv_layout, (q, k2, v2), heads_first)
+    return drop_padding(out, slots, q.shape[1], heads_first)
+
+
+def _cross_stream(attend, args, kwargs, sp: SequenceParallel, q_layout: JointLayout, kv_layout: JointLayout,
+                  qkv: tuple, heads_first: bool):
+    """``cross_stream_attention`` of q, k, v as [B, H', S, D] (H' a multiple of the Ulysses size)."""
+    U, R = sp.ulysses_size, sp.ring_size
+    q, k2, v2 = qkv
     if U > 1:  # two exchanges: the queries' streams and the keys' may be of different lengths
         (q,) = scatter_heads([q], U, sp.ulysses_group)
         k2, v2 = scatter_heads([k2, v2], U, sp.ulysses_group)
