@@ -156,10 +156,6 @@ class PatchSite:
     before_split: bool = False
 
 
-# The ComfyUI releases the whole test suite runs on (tools/host.py installs each).
-TESTED_RELEASES = ("0.3.75", "0.33.0")
-
-
 @dataclass(frozen=True)
 class ContextParallelPlan:
     inputs: dict[str, tuple[Split, ...]]
@@ -206,8 +202,6 @@ class ModelPlan:
     # Where ComfyUI releases build the family differently (HunyuanVideo's joint order): the
     # plan for this very module, chosen from its own structure, so every rank chooses alike.
     variant: "Callable[[torch.nn.Module], ModelPlan] | None" = None
-    # ComfyUI releases whose stock classes this plan's exactness tests passed on (README matrix).
-    tested_on: tuple[str, ...] = TESTED_RELEASES
     # Modules whose forward torch.compile compiles one by one (parallel/compile_regions.py); empty: the
     # repeated blocks the plan's patterns name.
     compile_regions: tuple[str, ...] = ()

@@ -73,7 +73,6 @@ PLAN = ModelPlan(
     ),
     notes="T2V and I2V, 1.0 (RoPE or learned position embeddings) and 1.5 (temporal patches, ofs).",
     tensor_parallel=TENSOR_PARALLEL,
-    tested_on=("0.33.0",),
     cached_blocks=(CachedBlocks("blocks.*", outputs=("hidden_states", "encoder_hidden_states"),
                                 streams=("img", "txt")),),
 )

@@ -63,5 +63,4 @@ PLAN = ModelPlan(
         divide={f"{LAYERS}.self_attention": ("heads",)},
         divisible={"MLP width": "layers.0.mlp.linear_fc2.in_features"},
     ),
-    tested_on=("0.33.0",),
 )

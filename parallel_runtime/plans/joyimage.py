@@ -67,7 +67,6 @@ PLAN = ModelPlan(
     ),
     notes="Text-to-image and edit (reference latents).",
     tensor_parallel=TENSOR_PARALLEL,
-    tested_on=("0.33.0",),
     cached_blocks=(CachedBlocks(f"{BLOCKS}.*", outputs=("hidden_states", "encoder_hidden_states"),
                                 streams=("img", "txt")),),
 )

@@ -77,6 +77,5 @@ PLAN = ModelPlan(
     ),
     notes="Video (T2V, I2V via time_dim_replace) and image models; the text encoder blocks run whole per rank.",
     tensor_parallel=TENSOR_PARALLEL,
-    tested_on=("0.33.0",),
     cached_blocks=(CachedBlocks(f"{BLOCKS}.*"),),
 )

@@ -70,6 +70,5 @@ PLAN = ModelPlan(
     notes=("Reference latents (methods other than index_timestep_zero, which is refused). The text fusion "
            "runs whole on every rank under context parallelism and is cut under TP."),
     tensor_parallel=TENSOR_PARALLEL,
-    tested_on=("0.33.0",),
     cached_blocks=(CachedBlocks("blocks.*"),),
 )

@@ -124,6 +124,5 @@ PLAN = ModelPlan(
     notes="T2V with audio, image-to-video, denoise masks on either stream, keyframe guides at full strength; "
           "not guide attention below full strength or reference audio (refused by name).",
     tensor_parallel=TENSOR_PARALLEL,
-    tested_on=("0.33.0",),
     cached_blocks=(CachedBlocks("transformer_blocks.*", outputs=(("x", 0), ("x", 1)), streams=(VIDEO, AUDIO)),),
 )

@@ -77,6 +77,5 @@ PLAN = ModelPlan(
     notes="Video with audio (t2va), denoise masks on either stream; keyframe and reference rows follow the "
           "same cuts (not yet tested).",
     tensor_parallel=TENSOR_PARALLEL,
-    tested_on=("0.33.0",),
     cached_blocks=(CachedBlocks("blocks.*", dim=0),),
 )

@@ -285,7 +285,6 @@ HUNYUAN_VIDEO15 = ModelPlan(
     kind="vae",
     vae=HUNYUAN_VIDEO15_BANDS,
     notes="row bands; replicate padding at the image edges; conv carries per rank; mid-block attention gathers K/V",
-    tested_on=("0.33.0",),  # 0.3.75's vae_refiner is an older module, refused by layer name
 )
 
 # ---------------------------------------------------------------- Wan VAEs
