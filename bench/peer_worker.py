@@ -98,7 +98,8 @@ def sample_dbcache(opts) -> dict:
     ``--thresholds``, the variants taking turns for ``--repeat`` rounds. Each variant gets a fresh model
     (cache-dit's hooks stay on a module once applied) with cache-dit's Ulysses at world size > 1.
     Rank 0 saves each variant's final tokens (``--out`` with ``.<variant>.pt``) and returns each
-    variant's end-to-end and per-step times and cache-dit's own count of cached steps."""
+    variant's end-to-end and per-step times, the steps cache-dit itself counts as cached (their
+    0-based indices, and how many) and its change measure at each step it measured."""
     import cache_dit
     from cache_dit import DBCacheConfig, ParallelismConfig
     from diffusers import FluxTransformer2DModel
@@ -128,7 +129,7 @@ def sample_dbcache(opts) -> dict:
 
     models = {t: build(t) for t in thresholds}
     times = {t: {"e2e": [], "steps": []} for t in thresholds}
-    finals, cached = {}, {}
+    finals, cached, diffs = {}, {}, {}
     with torch.inference_mode():
         for _ in range(opts.repeat):
             for t in thresholds:
@@ -147,10 +148,10 @@ def sample_dbcache(opts) -> dict:
                     times[t]["steps"].append((time.perf_counter() - step_started) * 1e3)
                 times[t]["e2e"].append((time.perf_counter() - started) * 1e3)
                 finals[t] = x
-                if t is not None:  # this run's count (each round the same: the context starts afresh)
-                    stats = cache_dit.summary(model, logging=False)
-                    cached.setdefault(t, []).append(max((len(s.cached_steps) for s in stats if s.cached_steps),
-                                                        default=0))
+                if t is not None:  # this run's cached steps (each round the same: the context starts afresh)
+                    stats = max(cache_dit.summary(model, logging=False), key=lambda s: len(s.cached_steps))
+                    cached.setdefault(t, []).append(sorted(stats.cached_steps))
+                    diffs[t] = {int(k): float(v) for k, v in stats.residual_diffs.items()}
     variants = []
     for t in thresholds:
         name = "uncached" if t is None else f"t{t}"
@@ -160,8 +161,10 @@ def sample_dbcache(opts) -> dict:
                          "e2e_ms_all": [round(v, 1) for v in times[t]["e2e"]],
                          "e2e_ms_median": round(statistics.median(times[t]["e2e"]), 1),
                          "step_ms_median": round(statistics.median(times[t]["steps"]), 1),
-                         "cached_steps": cached[t][-1] if t is not None else 0,
-                         "cached_steps_per_round": cached.get(t, [])})
+                         "cached_steps": len(cached[t][-1]) if t is not None else 0,
+                         "cached_step_indices": cached[t][-1] if t is not None else [],
+                         "residual_diffs": diffs.get(t, {}),  # step -> cache-dit's change measure (last round)
+                         "cached_steps_per_round": [len(c) for c in cached.get(t, [])]})
     return {"peer": opts.peer, "world_size": world, "threads": opts.threads, "steps": steps, "rounds": opts.repeat,
             "cache_dit": cache_dit.__version__, "variants": variants, "failure": None}
 

@@ -70,14 +70,16 @@ def diffusers_config(shape) -> dict:
     }
 
 
-def comfy_to_diffusers(comfy_sd: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+def comfy_to_diffusers(comfy_sd: dict[str, torch.Tensor], shape, diffusers_keys=None) -> dict[str, torch.Tensor]:
     """ComfyUI Flux weights -> diffusers ``FluxTransformer2DModel`` weights.
 
     ``comfy.utils.flux_to_diffusers`` maps each diffusers key to where ComfyUI keeps it:
     a key, a ``(key, (dim, start, length))`` slice of a fused qkv(+mlp) tensor, or
     ``(key, None, fn)`` for tensors stored in another order (``swap_scale_shift``, its own
-    inverse). Entries for modules this model does not have (the ControlNet input) are skipped;
-    the caller's strict ``load_state_dict`` catches anything the map misses.
+    inverse). Entries for modules this model does not have (the ControlNet input) are skipped, and
+    so, given ``diffusers_keys`` (the target model's keys), are the map's other names for a key
+    (ComfyUI 0.33.0 also maps LyCoris' ``ff.linear_in`` and Flux 2's ``attn.to_qkv_mlp_proj`` to
+    Flux 1's tensors); the caller's strict ``load_state_dict`` catches anything the map misses.
     """
     import comfy.utils
 
@@ -86,7 +88,7 @@ def comfy_to_diffusers(comfy_sd: dict[str, torch.Tensor], shape) -> dict[str, to
     out, used = {}, set()
     for diffusers_key, source in key_map.items():
         comfy_key = source if isinstance(source, str) else source[0]
-        if comfy_key not in comfy_sd:
+        if comfy_key not in comfy_sd or (diffusers_keys is not None and diffusers_key not in diffusers_keys):
             continue
         tensor = comfy_sd[comfy_key]
         if isinstance(source, tuple) and source[1] is not None:
@@ -148,7 +150,8 @@ def prepare_case(path: Path, seed: int = 0, shape=None) -> dict:
     comfy_model, (x, t, context), kwargs = scenarios.build_flux(shape, seed=seed, batch=1, device="cpu")
     config = diffusers_config(shape)
     model = FluxTransformer2DModel(**config).eval()
-    model.load_state_dict(comfy_to_diffusers(comfy_model.state_dict(), shape), strict=True)
+    model.load_state_dict(comfy_to_diffusers(comfy_model.state_dict(), shape, set(model.state_dict())),
+                          strict=True)
     inputs = diffusers_inputs(x, t, context, kwargs["y"], kwargs["guidance"], axes=len(shape.axes_dim))
 
     with torch.inference_mode():
@@ -299,8 +302,9 @@ def run_dbcache(shape, thresholds, steps: int, threads: int, rounds: int, fn: in
                 max_continuous: int, world: int = WORLD_SIZE) -> dict:
     """cache-dit's DBCache on the same Flux (``shape``, seed 0: the weights and inputs of the cache
     scenario) with the same Fn / Bn / warm-up / cap, sampled end to end at world size 1 and ``world``
-    (cache-dit's Ulysses). ``{"world1": ..., "mesh": ...}``: per variant (uncached, each threshold) the
-    worker's times and cached count and ``latent``, its final latent (B, 16, H, W); or ``failure``."""
+    (cache-dit's Ulysses; ``world`` 1: only the unsharded run). ``{"world1": ..., "mesh": ...}``: per
+    variant (uncached, each threshold) the worker's times, cached steps and ``latent``, its final latent
+    (B, 16, H, W); or ``failure``."""
     extra = ["--sample-steps", str(steps), "--thresholds", ",".join(str(t) for t in thresholds), "--fn", str(fn),
              "--bn", str(bn), "--warmup", str(warmup), "--max-continuous", str(max_continuous)]
     with tempfile.TemporaryDirectory(prefix="dbcache_") as tmp:
@@ -314,7 +318,7 @@ def run_dbcache(shape, thresholds, steps: int, threads: int, rounds: int, fn: in
             return {"failure": case["failure"]}
         side = shape.image_side
         out = {"conversion_max_abs_err": case["conversion_max_abs_err"], "cache_dit": _version("cache-dit")}
-        for where, size in (("world1", 1), ("mesh", world)):
+        for where, size in (("world1", 1), ("mesh", world))[:1 if world == 1 else 2]:
             result = _launch("cachedit", size, case_path, threads, rounds, tmp / f"dbcache_{size}.json", extra=extra)
             if result.get("failure"):
                 return {"failure": result["failure"]}
