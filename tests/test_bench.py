@@ -212,14 +212,12 @@ def test_cache_dits_uncached_sampling_is_the_benchmarks_sampling():
     """bench/peers.run_dbcache (cache-dit in processes of its own, the benchmark's DBCache comparison):
     uncached at world size 1 and under cache-dit's Ulysses 2 it samples what the Block Cache benchmark
     samples unsharded, the same Euler loop on the same network, here on the smallest Flux; with a
-    threshold it caches steps and moves the result, the same steps in every round. Needs cache-dit (bench/setup_peers.sh)."""
-    import importlib.util
-
-    import pytest
+    threshold it caches steps and moves the result, the same steps in every round. Needs the peers' packages,
+    which the test host has (tools/host.py); missing, it fails (PARALLEL_NO_PEERS=1 skips it)."""
     import torch
+    from test_block_cache_dbcache import need_peers
 
-    if importlib.util.find_spec("cache_dit") is None or importlib.util.find_spec("diffusers") is None:
-        pytest.skip("cache-dit and diffusers are the peers' packages: bash bench/setup_peers.sh installs them")
+    need_peers()
     sys.path.insert(0, str(REPO / "bench"))
     import peers
     import scenarios
