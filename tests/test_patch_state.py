@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from comfy_server import PromptFailed
+from conftest import PACK  # the pack imported as ComfyUI imports it
 from test_comfy_families import final_latents, max_error
 from test_model_patches import LAYOUTS, NEEDS, TOL
 from test_tiny_model_patches import extension, sample, tiny_transformer, z_image_case  # noqa: F401 (a fixture)
@@ -158,3 +159,29 @@ def test_the_lite_patch_keeps_state_between_forwards(extension):
     assert torch.equal(sample(model, args, kwargs, fresh), first)
     print(f"\nthe state the first forward left changes the second by {(second - first).abs().max().item():.2e}")
     assert (second - first).abs().max().item() > 1e-3
+
+
+def test_a_change_in_place_is_seen():
+    """Rank 0 tells what a forward changed by identity and by contents: a tensor changed in place, an
+    attribute set anew or added, a list appended to; a tensor read or replaced by itself is no change."""
+    from_pack = PACK.parallel_runtime
+    spec = from_pack.plans.patches.PatchPlan(classes=("x.Patch",), title="A patch", tokens="whole", state=("kept",))
+
+    class Patch:
+        pass
+
+    def rebuilt(**attrs):
+        patch = Patch()
+        patch.__dict__.update(attrs)
+        return from_pack.parallel.model_patches.Rebuilt(patch, 0, "x.Patch", spec, judge=True)
+
+    done = rebuilt(weights=torch.ones(3), log=[], kept=None, n=1)
+    done.patch.weights.add_(1.0)
+    done.patch.log.append(2)
+    done.patch.kept = torch.zeros(2)
+    done.patch.extra = 5
+    assert sorted(done.changed()) == ["extra", "kept", "log", "weights"]
+    same = rebuilt(weights=torch.full((3,), float("nan")), n=1)
+    same.patch.weights.mul_(1.0)
+    same.patch.n = 1
+    assert same.changed() == []
