@@ -48,17 +48,24 @@ def plan_split(batch: int, cfg_size: int, cfg_rank: int) -> BatchSplit:
     return BatchSplit(batch, 1, 0)
 
 
-def _cut(value, split: BatchSplit):
+def map_tensors(value, fn):
+    """``value`` with each tensor in it (inside lists, tuples, named tuples, dicts) replaced by
+    ``fn(tensor)``; everything else as it is."""
     if isinstance(value, torch.Tensor):
-        return value[split.rows] if value.ndim and value.shape[0] == split.size else value
+        return fn(value)
     if isinstance(value, list):
-        return [_cut(v, split) for v in value]
+        return [map_tensors(v, fn) for v in value]
     if isinstance(value, tuple):
-        items = [_cut(v, split) for v in value]
+        items = [map_tensors(v, fn) for v in value]
         return tuple(items) if type(value) is tuple else type(value)(*items)
     if isinstance(value, dict):
-        return {k: _cut(v, split) for k, v in value.items()}
+        return {k: map_tensors(v, fn) for k, v in value.items()}
     return value
+
+
+def _cut(value, split: BatchSplit):
+    """This group's rows of every tensor in ``value`` whose first dimension is the batch."""
+    return map_tensors(value, lambda t: t[split.rows] if t.ndim and t.shape[0] == split.size else t)
 
 
 def split_bound(bound, split: BatchSplit) -> None:

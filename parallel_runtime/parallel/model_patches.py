@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from .cfg import BatchSplit
+from .cfg import BatchSplit, map_tensors
 from .sequence import gather_chunks, take_chunk
 from ..distributed import comm
 from ..comfyui_modules import import_module
@@ -182,7 +182,7 @@ def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module], split: 
     if split is not None and split.parts > 1:  # this CFG group's rows of the state kept for the whole batch
         for attr in spec.state:
             if attr in data["state"]:
-                setattr(obj, attr, _map_tensors(data["state"][attr], lambda t: t[split.rows]
+                setattr(obj, attr, map_tensors(data["state"][attr], lambda t: t[split.rows]
                                                 if t.ndim and t.shape[0] == split.size else t))
     for attr, index in data["models"].items():
         setattr(obj, attr, HeldModel(models[index]))
@@ -422,21 +422,7 @@ def _whole_batch(state: dict, split: BatchSplit, group, device) -> tuple[dict, b
             comm.all_gather_into(full, t.to(device).contiguous(), group=group)
             parts = full.chunk(split.parts)
             whole[id(t)] = t if all(torch.equal(p, parts[0]) for p in parts[1:]) else full.to(t.device)
-    return {attr: _map_tensors(value, lambda t: whole.get(id(t), t)) for attr, value in state.items()}, True
-
-
-def _map_tensors(value, fn):
-    """``value`` with each tensor in it (inside tuples, lists, dicts) replaced by ``fn(tensor)``."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, list):
-        return [_map_tensors(v, fn) for v in value]
-    if isinstance(value, tuple):
-        items = [_map_tensors(v, fn) for v in value]
-        return tuple(items) if type(value) is tuple else type(value)(*items)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    return value
+    return {attr: map_tensors(value, lambda t: whole.get(id(t), t)) for attr, value in state.items()}, True
 
 
 def _form(value, tensors: list, ids: bool) -> str:
