@@ -4,8 +4,8 @@ stored GPU-check results (``bench/results/gpu_check_*/*.json``), so that no figu
 by hand (``--check``: only compare, exit 1 when either is stale).
 
 The table has one row per part, ComfyUI version and device: that key's newest run. Runs of the
-same day: one full run of the part (every case), and runs of fewer cases are reruns of those
-cases, whose rows replace the full run's. Runs judged superseded by hand (a run before a fix, a
+same day: the run of the most cases, and runs of fewer cases are reruns of those cases, whose rows
+replace its rows. Runs judged superseded by hand (a run before a fix, a
 diagnosis with other flags) are named in ``SUPERSEDED`` with why; the compile part is judged
 again by today's criteria (``gpu_check.compile_row``), since its stored pass flag once ignored
 its speed criterion.
@@ -58,9 +58,6 @@ class Run:
     def key(self) -> tuple:
         return self.device, self.host, self.part, self.args
 
-    @property
-    def full(self) -> bool:
-        return len(self.rows) == len(CASES[self.part])
 
 
 def stored_runs() -> list[Run]:
@@ -76,11 +73,11 @@ def stored_runs() -> list[Run]:
 
 
 def case_keys(runs: list[Run]) -> dict[tuple[str, str], str]:
-    """(part, row label) -> case name, learned from the full runs (a case that raised is labelled by
-    its name, one that ran by its label)."""
+    """(part, row label) -> case name, learned from the runs of every case of their time (a case that
+    raised is labelled by its name, one that ran by its label; cases are added at a part's end)."""
     keys = {}
     for run in runs:
-        if run.full:
+        if len(run.rows) >= max(len(r.rows) for r in runs if r.part == run.part):
             for name, row in zip(CASES[run.part], run.rows):
                 keys[(run.part, row["case"])] = name
                 keys[(run.part, name)] = name
@@ -95,11 +92,12 @@ def newest(runs: list[Run]) -> tuple[list[tuple[Run, list[Run]]], dict[str, str]
     for key in dict.fromkeys(r.key for r in kept):
         mine = [r for r in kept if r.key == key]
         day = max(r.date for r in mine)
-        full = [r for r in mine if r.date == day and r.full]
+        most = max(len(r.rows) for r in mine if r.date == day)
+        full = [r for r in mine if r.date == day and len(r.rows) == most]
         if len(full) != 1:
             raise SystemExit(f"{len(full)} full runs of part {key[2]}, ComfyUI {key[1]}, {key[0]} on {day}: "
                              f"name all but one in tools/gpu_table.py's SUPERSEDED")
-        reruns = [r for r in mine if r.date == day and not r.full]
+        reruns = [r for r in mine if r.date == day and len(r.rows) < most]
         chosen.append((full[0], reruns))
         for r in mine:
             if r.date != day:
