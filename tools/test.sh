@@ -6,7 +6,10 @@
 # PARALLEL_TEST_WORKERS=1, decides instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-eval "$(python3 tools/host.py --browser --print-env)"
+# In two steps: a failed set-up (say, the peers' packages would not install) stops here with its
+# message; eval of a failed command substitution would go on.
+host_env="$(python3 tools/host.py --browser --print-env)"
+eval "$host_env"
 export COMFYUI_PATH
 workers=()
 case " $* " in
