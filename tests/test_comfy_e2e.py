@@ -93,14 +93,15 @@ def test_bad_config_is_refused_before_anything_runs(tiny_server, tiny_prompt):
     assert "backend='nccl'" in str(info.value) and "NCCL needs CUDA" in str(info.value)
 
 
-def test_head_count_that_does_not_divide_is_refused_at_the_node(tiny_server, tiny_prompt):
+def test_tp_size_that_does_not_divide_the_heads_is_refused_at_the_node(tiny_server, tiny_prompt):
+    """Only TP keeps the divisibility rule (Ulysses pads heads it does not divide: parallel/heads.py)."""
     before = {r["pid"] for r in status(tiny_server)["ranks"]}
-    bad = edited(tiny_prompt, ParallelConfig={"ulysses_size": 3, "devices": "cpu,cpu,cpu"})
+    bad = edited(tiny_prompt, ParallelConfig={"ulysses_size": 1, "tp_size": 4, "devices": "cpu,cpu,cpu,cpu"})
     with pytest.raises(PromptFailed) as info:
         tiny_server.run(bad, timeout=120)
     message = str(info.value)
-    assert "Shard Transformer: ulysses_size=3 does not divide the 2 attention heads" in message
-    assert "valid ulysses_size values: 1, 2" in message
+    assert "Shard Transformer: tp_size=4 does not divide this Wan" in message and "2 attention heads" in message
+    assert "valid tp_size values: 1, 2" in message
     assert {r["pid"] for r in status(tiny_server)["ranks"]} == before  # no worker was started
 
 
