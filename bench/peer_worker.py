@@ -138,35 +138,45 @@ def sample_dbcache(opts) -> dict:
                     cache_dit.refresh_context(model, num_inference_steps=steps)
                 if world > 1:
                     dist.barrier()
-                started = time.perf_counter()
-                x = inputs["hidden_states"].clone()
-                for i in range(steps):
-                    step_started = time.perf_counter()
-                    timestep = torch.full((x.shape[0],), float(sigmas[i]))
-                    out = model(**{**inputs, "hidden_states": x, "timestep": timestep}, return_dict=False)[0]
-                    x = x + (sigmas[i + 1] - sigmas[i]) * out
-                    times[t]["steps"].append((time.perf_counter() - step_started) * 1e3)
-                times[t]["e2e"].append((time.perf_counter() - started) * 1e3)
-                finals[t] = x
+                finals[t] = euler_sample(model, inputs, sigmas, times[t])
                 if t is not None:  # this run's cached steps (each round the same: the context starts afresh)
                     stats = max(cache_dit.summary(model, logging=False), key=lambda s: len(s.cached_steps))
                     cached.setdefault(t, []).append(sorted(stats.cached_steps))
                     diffs[t] = {int(k): float(v) for k, v in stats.residual_diffs.items()}
-    variants = []
-    for t in thresholds:
-        name = "uncached" if t is None else f"t{t}"
-        if int(os.environ.get("RANK", "0")) == 0:
-            torch.save(finals[t], f"{opts.out}.{name}.pt")
-        variants.append({"threshold": t, "file": f"{opts.out}.{name}.pt",
-                         "e2e_ms_all": [round(v, 1) for v in times[t]["e2e"]],
-                         "e2e_ms_median": round(statistics.median(times[t]["e2e"]), 1),
-                         "step_ms_median": round(statistics.median(times[t]["steps"]), 1),
-                         "cached_steps": len(cached[t][-1]) if t is not None else 0,
-                         "cached_step_indices": cached[t][-1] if t is not None else [],
-                         "residual_diffs": diffs.get(t, {}),  # step -> cache-dit's change measure (last round)
-                         "cached_steps_per_round": [len(c) for c in cached.get(t, [])]})
+    variants = [variant_record(opts.out, t, finals[t], times[t], cached.get(t, []), diffs.get(t, {}))
+                for t in thresholds]
     return {"peer": opts.peer, "world_size": world, "threads": opts.threads, "steps": steps, "rounds": opts.repeat,
             "cache_dit": cache_dit.__version__, "variants": variants, "failure": None}
+
+
+def euler_sample(model, inputs: dict, sigmas, times: dict):
+    """One sampling run, the flow-matching Euler loop of ``cache_bench.py`` from the case's noise: the final
+    tokens; each step's ms goes to ``times["steps"]``, the run's to ``times["e2e"]``."""
+    started = time.perf_counter()
+    x = inputs["hidden_states"].clone()
+    for i in range(len(sigmas) - 1):
+        step_started = time.perf_counter()
+        timestep = torch.full((x.shape[0],), float(sigmas[i]))
+        out = model(**{**inputs, "hidden_states": x, "timestep": timestep}, return_dict=False)[0]
+        x = x + (sigmas[i + 1] - sigmas[i]) * out
+        times["steps"].append((time.perf_counter() - step_started) * 1e3)
+    times["e2e"].append((time.perf_counter() - started) * 1e3)
+    return x
+
+
+def variant_record(out: str, threshold, final, times: dict, cached: list[list[int]], diffs: dict) -> dict:
+    """One DBCache variant's result: rank 0 saves its final tokens beside ``out`` (the JSON is too small a
+    place for them); its times, the steps cache-dit cached in the last round (every round caches the same:
+    the context starts afresh) and cache-dit's change measure at each step it measured then."""
+    name = "uncached" if threshold is None else f"t{threshold}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(final, f"{out}.{name}.pt")
+    return {"threshold": threshold, "file": f"{out}.{name}.pt",
+            "e2e_ms_all": [round(v, 1) for v in times["e2e"]],
+            "e2e_ms_median": round(statistics.median(times["e2e"]), 1),
+            "step_ms_median": round(statistics.median(times["steps"]), 1),
+            "cached_steps": len(cached[-1]) if cached else 0, "cached_step_indices": cached[-1] if cached else [],
+            "residual_diffs": diffs, "cached_steps_per_round": [len(c) for c in cached]}
 
 
 def run(opts) -> dict:
