@@ -242,7 +242,8 @@ def install_held(python: Path, host: Path, comfy_root: Path, requirements: list[
     if result.returncode != 0:
         raise SystemExit(f"[host] could not install the {label}' packages ({' '.join(requirements)}) beside what "
                          f"is installed (held: {constraints}):\n{result.stderr[-3000:]}\n"
-                         f"{NO_PEERS_ENV}=1 sets the host up without them; the tests that need them then skip")
+                         f"(for the peers' packages, {NO_PEERS_ENV}=1 sets the host up without them, and the "
+                         "tests that need them skip)")
     after = installed(python)
     moved = sorted(f"{n} {v} -> {after.get(n, 'removed')}" for n, v in before.items()
                    if n not in wanted and after.get(n) != v)
