@@ -267,3 +267,18 @@ def test_a_new_resolution_is_chosen_for_and_layouts_share_the_weights_sent(runti
     # TP (else the first one sends them); TP 2 sends its slices, and Ring 2 after it the whole model.
     (small_choice,) = [c for c in choices if c["tokens"] == 3 * 5 * 7]
     assert world.copies.sends - sends == (1 if small_choice["layout"]["tp"] > 1 else 0) + 2
+
+
+def test_a_link_the_probe_cannot_resolve_is_a_lower_bound_said_so():
+    """The Parallel tab showed 'all-reduce 4190208.0 GB/s' where the larger probe message took no longer
+    than the smaller (a fit dividing by about zero); the cost model took that figure as it was."""
+    from parallel_runtime.layout import probe
+
+    mib = 1 << 20
+    fit = probe._fit((mib, 1e-3), (5 * mib, 3e-3))  # 4 MiB more in 2 ms more: 2 GiB/s, 0.5 ms latency
+    assert fit["resolved"] and fit["bytes_per_s"] == pytest.approx(4 * mib / 2e-3)
+    assert fit["latency_s"] == pytest.approx(0.5e-3)
+    for t_large in (1e-3, 0.9e-3, 1.02e-3):  # no longer, shorter, or within noise of the small message
+        fit = probe._fit((mib, 1e-3), (5 * mib, t_large))
+        assert not fit["resolved"] and fit["bytes_per_s"] == pytest.approx(5 * mib / t_large)
+        assert fit["bytes_per_s"] < 1e11 and fit["latency_s"] >= 0

@@ -14,6 +14,11 @@ const fmtMs = (ms) => (ms == null ? "–" : `${ms.toFixed(ms < 100 ? 1 : 0)} ms`
 const dims = (sizes) => Object.entries(sizes || {}).filter(([, n]) => n > 1).map(([d, n]) => `${d} ${n}`).join(" × ")
   || "single rank";
 const GB = 1e9;
+// A link's speed as the probe could resolve it: where the larger message took no clearly longer
+// than the smaller one (layout/probe.py's "resolved"), only a lower bound is known.
+const linkSpeed = (link) => link.resolved === false
+  ? `too fast to measure (over ${(link.bytes_per_s / GB).toFixed(1)} GB/s)`
+  : `${(link.bytes_per_s / GB).toFixed(1)} GB/s`;
 const fmtGpu = (r) => (r.gpu_allocated_bytes == null ? "–"
   : `${(r.gpu_allocated_bytes / MB).toFixed(0)} / ${(r.gpu_reserved_bytes / MB).toFixed(0)} MB`
     + (r.gpu_peak_allocated_bytes == null ? ""
@@ -34,9 +39,8 @@ function render(root, status) {
   const mesh = status.layout === "auto" ? "layout auto" : dims(status.mesh);
   const links = status.probe?.links;
   const probe = links
-    ? [el("div", { className: "hp-probe", textContent: `links: all-to-all ${(links.all_to_all.bytes_per_s / GB).toFixed(1)} GB/s, `
-        + `send/recv ${(links.send_recv.bytes_per_s / GB).toFixed(1)} GB/s, all-reduce `
-        + `${(links.all_reduce.bytes_per_s / GB).toFixed(1)} GB/s` })]
+    ? [el("div", { className: "hp-probe", textContent: `links: all-to-all ${linkSpeed(links.all_to_all)}, `
+        + `send/recv ${linkSpeed(links.send_recv)}, all-reduce ${linkSpeed(links.all_reduce)}` })]
     : [];
   const chosen = (status.layouts || []).map((c) => el("div", { className: "hp-layout",
     textContent: `${c.model} (${c.tokens} tokens, batch ${c.batch}): ${dims(c.layout)}, predicted `

@@ -100,10 +100,18 @@ def measure_compute(device: torch.device) -> dict:
     }
 
 
+RESOLUTION = 0.05  # the larger message must take at least this much longer than the smaller one
+
+
 def _fit(small: tuple[int, float], large: tuple[int, float]) -> dict:
+    """Latency and bandwidth from two message sizes' times. Where the larger message took no
+    clearly longer than the smaller (a link too fast for the probe's sizes, or noise), the fit would
+    divide by about zero (4e15 B/s was shown): the bandwidth is then the larger message's own rate,
+    a lower bound, and ``resolved`` says it was not measured."""
     (b_small, t_small), (b_large, t_large) = small, large
-    bandwidth = (b_large - b_small) / max(t_large - t_small, 1e-9)
-    return {"latency_s": max(t_small - b_small / bandwidth, 0.0), "bytes_per_s": bandwidth}
+    resolved = t_large - t_small > RESOLUTION * t_large
+    bandwidth = (b_large - b_small) / (t_large - t_small) if resolved else b_large / max(t_large, 1e-9)
+    return {"latency_s": max(t_small - b_small / bandwidth, 0.0), "bytes_per_s": bandwidth, "resolved": resolved}
 
 
 def measure_links(device: torch.device, rank: int, world_size: int) -> dict:
