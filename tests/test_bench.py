@@ -268,3 +268,17 @@ def test_controlnet_table():
     assert row.startswith("| 2026-11-27 02:00 | 2 shared cores, loaded, load 4.0 to 4.5")
     assert "| 9000 (2500 + 6500) | 7000 (2500 + 4500) | 6000 (1500 + 4500) | **1.167x** | 1.67x | 28 % |" in row
     assert "57 entries (57 MiB; 2 MiB of distinct tensors)" in lines[6]
+
+
+def test_uneven_heads_prediction_charges_the_padded_share():
+    """bench/uneven_heads.py (issue 50): Ulysses 3 over 40 heads attends 14 heads per rank where the even
+    share is 13.33, so against Ring 3 (every head over a third of the queries, the same flops unpadded)
+    its predicted attention is 14 * 3 / 40 = 1.05 times as long; 24 heads on 3 divide: no padding."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import uneven_heads
+
+    rows = {(r["model"][:3], r["layout"]): r for r in uneven_heads.predictions(3)}
+    wan_u, wan_r = rows[("Wan", "ulysses3")], rows[("Wan", "ring3")]
+    assert wan_u["heads_per_rank"] == 14 and wan_u["attention_ms"] / wan_r["attention_ms"] == pytest.approx(1.05, 0.01)
+    flux_u, flux_r = rows[("Flu", "ulysses3")], rows[("Flu", "ring3")]
+    assert flux_u["heads_per_rank"] == 8 and flux_u["attention_ms"] == pytest.approx(flux_r["attention_ms"], 0.01)
