@@ -102,7 +102,9 @@ def test_family_equals_unsharded(tiny_server, layout, family):
         assert len(shares) == 2 and max(shares) <= TP2_BYTES_LIMIT and min(shares) > 0
 
 
-HYBRIDS = {"usp2x2": {"ulysses_size": 2, "ring_size": 2}, "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2}}
+HYBRIDS = {"usp2x2": {"ulysses_size": 2, "ring_size": 2}, "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2},
+           # six ranks, Ulysses 3 over the two heads (padded): Ring 2 across, TP 2 inside (one head a TP rank)
+           "usp3x2": {"ulysses_size": 3, "ring_size": 2}, "ulysses3_tp2": {"ulysses_size": 3, "tp_size": 2}}
 # Wan, and LTX-2 (two streams, cross-stream attention) where this ComfyUI has it.
 HYBRID_FAMILIES = [family for family in ("wan", "ltxav") if family in FAMILIES]
 
@@ -111,20 +113,27 @@ HYBRID_FAMILIES = [family for family in ("wan", "ltxav") if family in FAMILIES]
 @pytest.mark.parametrize("hybrid,family", [(h, f) for h in HYBRIDS for f in HYBRID_FAMILIES],
                          ids=[f"{h}-{f}" if f != "wan" else h for h in HYBRIDS for f in HYBRID_FAMILIES])
 def test_four_rank_hybrids(tiny_server, hybrid, family):
-    """USP and Ulysses x TP on four ranks (four heads: one per rank under Ulysses 2 x TP 2)."""
+    """USP and Ulysses x TP on four ranks (four heads: one per rank under Ulysses 2 x TP 2), and on six
+    with Ulysses 3, which does not divide the heads."""
     parallel = HYBRIDS[hybrid]
     ref = reference(tiny_server, family)
-    out = final_latents(tiny_server, family_prompt(family, {**parallel, "devices": "cpu,cpu,cpu,cpu"}))
+    out = final_latents(tiny_server, family_prompt(family, {**parallel, "devices": cpu_ranks(parallel)}))
     err = max_error(out, ref)
     mesh = status(tiny_server)["mesh"]
     print(f"\n{family} {parallel}: max abs err {err:.2e}")
     assert err <= TOL
-    assert all(mesh[dim] == size for dim, size in (("ulysses", 2), ("ring", parallel.get("ring_size", 1)),
-                                                   ("tp", parallel.get("tp_size", 1))))
+    assert all(mesh[dim] == parallel.get(f"{dim}_size", 1) for dim in ("ulysses", "ring", "tp"))
+
+
+def cpu_ranks(parallel: dict) -> str:
+    """One 'cpu' per rank of these sizes."""
+    return ",".join(["cpu"] * (parallel.get("ulysses_size", 1) * parallel.get("ring_size", 1)
+                               * parallel.get("tp_size", 1)))
 
 
 MORE_LAYOUTS = {"ring2": {"ring_size": 2}, "cfg2": {"cfg_size": 2},
-                **{name: {**parallel, "devices": "cpu,cpu,cpu,cpu"} for name, parallel in HYBRIDS.items()}}
+                **{name: {**parallel, "devices": cpu_ranks(parallel)} for name, parallel in HYBRIDS.items()
+                   if name in ("usp2x2", "ulysses2_tp2")}}
 
 
 def encoded_image(server, family, node) -> torch.Tensor:
