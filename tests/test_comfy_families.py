@@ -96,6 +96,11 @@ def test_family_equals_unsharded(tiny_server, layout, family):
         line += f"; weights per rank / file = {[round(s, 3) for s in shares]}"
     print(line)
     assert err <= TOL
+    if layout == "ulysses3":  # each rank's share of the heads: a run of real heads, the rest padding
+        heads = [r["heads"] for r in info["ranks"]]
+        real, total = [h["real"] for h in heads], sum(h["real"] for h in heads)
+        assert real == sorted(real, reverse=True) and real[0] - real[-1] <= 1, heads
+        assert all(h["attended"] == -(-total // 3) for h in heads), heads
     assert info["mesh"] == {"cfg": 1, "ring": 1, "tp": 1, "ulysses": 1, **{
         name.removesuffix("_size"): size for name, size in LAYOUTS[layout].items() if name.endswith("_size")}}
     if layout == "tp2":

@@ -121,6 +121,7 @@ class Dispatch:
                                                    call.trial.args, call.trial.kwargs)
             if call.plan.kind == "transformer":
                 self._note_idle_cfg(call.layout, call.bound)
+                self.last_heads = call.plan.heads(module)
             self.current_layout = call.layout
             if weights is None:
                 weights = self.config.weights or (self.auto.weights_for(module) if self.config.auto_layout else ())

@@ -46,6 +46,7 @@ from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout import probe
 from ..layout.auto import AutoLayouts
 from ..parallel import compile_regions
+from ..parallel.heads import head_share, real_heads
 from ..weights import pickling
 from ..weights.model_copies import ModelCopies
 
@@ -72,6 +73,7 @@ class World(Dispatch):
         self.workers: list[_Worker] = []
         self.mesh: ProcessMesh | None = None  # the config's layout
         self.current_layout = self.layout     # the layout of the last forward (layout: auto chooses per model)
+        self.last_heads: int | None = None    # attention heads of the last transformer forward's model
         # Every layout this world has formed groups for (layout: auto runs each model in its own).
         self.meshes: dict[tuple[int, ...], ProcessMesh] = {}
         self._process_groups: dict[tuple[int, ...], object] = {}  # rank set -> group, shared by the meshes
@@ -400,6 +402,16 @@ class World(Dispatch):
         table = self._status_table
         return table is not None and bool((table[1:, protocol.COMPILE_FIELDS.start] > 0).any())
 
+    def _heads_of(self, rank: int) -> dict | None:
+        """The attention heads this rank held in the last transformer forward: ``real`` ones and
+        ``attended`` (the Ulysses share, padding included: parallel/heads.py); None before one."""
+        if not self.last_heads:
+            return None
+        sizes = dict(zip(MESH_DIMS, self.current_layout.sizes))
+        local = max(1, self.last_heads // sizes["tp"])
+        ulysses = self.current_layout.coords(rank)["ulysses"]
+        return {"real": real_heads(local, sizes["ulysses"])[ulysses], "attended": head_share(local, sizes["ulysses"])}
+
     def status(self) -> dict:
         ranks = []
         table = self._status_table
@@ -441,6 +453,7 @@ class World(Dispatch):
                           "gpu_reserved_bytes": None if gpu[1] is None else int(gpu[1]),
                           "last_forward_ms": None if last_ms is None else round(last_ms, 3), "forwards": forwards,
                           "coords": self.current_layout.coords(rank), "host": self.config.host_of(rank) or "local",
+                          "heads": self._heads_of(rank),
                           "compiling": bool(compiling), "compiles": int(compiles), "recompiles": int(recompiles),
                           "compile_cache": {"hits": int(hits), "misses": int(misses)}, **peaks})
         mesh = dict(zip(MESH_DIMS, self.current_layout.sizes)) if self.config.auto_layout else self.config.mesh_sizes
