@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from comfy_server import PromptFailed
 from tiny_models import saved_dataset
 from workflows import remove_passthrough, text_encoder_prompt
 
@@ -32,7 +31,15 @@ def test_sharded_t5_gives_the_same_conditioning(tiny_server):
     assert len(ranks) == 2 and all(r["forwards"] > 0 for r in ranks)
 
 
-def test_world_size_that_does_not_split_the_encoder_is_refused(tiny_server):
-    bad = text_encoder_prompt("x", "te_bad", {"ulysses_size": 5, "devices": "cpu,cpu,cpu,cpu,cpu"})
-    with pytest.raises(PromptFailed, match="Shard Text Encoder: the world size 5 .* does not split"):
-        tiny_server.run(bad, timeout=120)
+def test_a_world_that_does_not_split_the_encoder_runs_it_whole_on_rank_0(tiny_server):
+    """T5-base's 12 heads split over no group that tiles 5 ranks (Ulysses 5, which the transformer
+    runs with padded heads): the encoder runs whole on rank 0, the conditioning as unsharded, and
+    no rank is started for it."""
+    text = "x"
+    before = [r["pid"] for r in tiny_server.get("/parallel/status")["ranks"]]
+    reference, _ = conditioning(tiny_server, remove_passthrough(text_encoder_prompt(text, "te_ref5"),
+                                                                "ShardTextEncoder", "clip"), "te_ref5")
+    result, _ = conditioning(tiny_server, text_encoder_prompt(text, "te_five", {
+        "ulysses_size": 5, "devices": "cpu,cpu,cpu,cpu,cpu"}), "te_five")
+    assert result.shape == reference.shape and (result - reference).abs().max().item() <= TOL
+    assert [r["pid"] for r in tiny_server.get("/parallel/status")["ranks"]] == before

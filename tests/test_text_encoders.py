@@ -75,3 +75,29 @@ def test_conditioning_matches_one_process(name, world_size, runtime, monkeypatch
     # The unsharded CLIP is untouched: the node patched a clone.
     again, _ = encode(clip, toks)
     assert torch.equal(again, ref_cond)
+
+
+@pytest.mark.parametrize("world, group", [(3, 1), (6, 2)], ids=["3ranks-whole", "6ranks-groups-of-2"])
+def test_a_world_the_encoder_does_not_split_runs_it_on_the_largest_group(world, group, runtime, monkeypatch):
+    """T5 with 4 heads splits over 1, 2 or 4 ranks. A world of 3 (Ulysses 3, which a transformer runs
+    with padded heads) is not refused: the encoder runs whole on rank 0, as unsharded. A world of 6
+    runs it over groups of 2 (the largest size that splits the heads and tiles the world), every
+    group computing the same; rank 0 holds half the layers."""
+    clip, toks = ENCODERS["t5xxl"]()
+    ref_cond, _ = encode(clip, toks)
+    config = build_config(ulysses_size=world, devices=",".join(["cpu"] * world), host=HostDevices("cpu"))
+    sharded = shard(clip, config, runtime, monkeypatch)
+    cond, _ = encode(sharded, toks)
+    err = (cond - ref_cond).abs().max().item()
+    print(f"\nT5 (4 heads) in a world of {world}: groups of {group}, max abs err {err:.2e}")
+    assert cond.shape == ref_cond.shape and err <= TOL
+    patched = [key for key in sharded.patcher.object_patches if key.endswith(".forward")]
+    if group == 1:
+        assert not patched  # nothing to split: ComfyUI's own encoder on rank 0
+        return
+    (module,) = [m for _, m in clip.cond_stage_model.named_modules() if PACK.parallel_runtime.plans.find_encoder_plan(m)]
+    shard_module = runtime.world.copies._copies[module].run_module
+    held = sum(p.numel() for n, p in shard_module.named_parameters() if ".block." in n)
+    full = sum(p.numel() for n, p in module.named_parameters() if ".block." in n)
+    assert patched and 0.45 <= held / full <= 0.55, held / full
+    assert all(c > 0 for c in counted_forwards(runtime.world, [1] * world))

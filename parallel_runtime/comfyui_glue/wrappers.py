@@ -25,6 +25,7 @@ import torch
 from . import interrupts
 from .patcher import note_patcher, source_of
 from ..config import ParallelConfig
+from ..distributed.mesh import MeshLayout
 from ..parallel import arguments
 from ..parallel.compile_regions import COMPILE_OPTION, CompileSettings
 from ..layout.refusal import plan_refusal
@@ -204,16 +205,18 @@ class ShardedModelForward:
 class ShardedModuleForward:
     """A module's ``forward`` whose every call runs on all ranks (Cancel lands after it)."""
 
-    def __init__(self, config: ParallelConfig, family: str, module):
+    def __init__(self, config: ParallelConfig, family: str, module, layout: MeshLayout | None = None):
         self.config = config
         self.family = family
         self.module = module
+        self.layout = layout  # None: the config's
 
     def run(self, args, kwargs, source=None):
         world = RUNTIME.world_for(self.config)
         forward = type(self.module).forward.__get__(self.module)
         with interrupts.deferred():
-            return world.forward(self.module, plan_for_family(self.family), forward, args, kwargs, source=source)
+            return world.forward(self.module, plan_for_family(self.family), forward, args, kwargs, source=source,
+                                 layout=self.layout)
 
 
 class ShardedControlForward(ShardedModuleForward):

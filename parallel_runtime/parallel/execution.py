@@ -56,8 +56,8 @@ def run_sharded(module: torch.nn.Module, plan: ModelPlan, mesh: ProcessMesh, cal
     if plan.kind == "vae":  # every rank decodes (or encodes) a band of rows; see vae_bands
         return run_vae(module, plan, mesh.group("world"), mesh.size("world"), mesh.local_rank("world"), call,
                        args, kwargs, communicate=distributed_attention, weights=group_weights(mesh, "world", weights))
-    if plan.kind == "encoder":  # every rank holds a slice of every layer; the whole input everywhere
-        with tensor_parallel(module, plan.tensor_parallel, mesh.group("world"), mesh.size("world")):
+    if plan.kind == "encoder":  # every rank of a TP group holds a slice of every layer; the whole input everywhere
+        with tensor_parallel(module, plan.tensor_parallel, mesh.group("tp"), mesh.size("tp")):
             return call(*args, **kwargs)
     bound = inspect.signature(signature_of).bind(*args, **kwargs)
     split = cfg.plan_split(cfg.batch_of(next(iter(bound.arguments.values()))), mesh.size("cfg"), mesh.local_rank("cfg"))

@@ -160,8 +160,7 @@ class ModelCopies:
         world = self.world
         layout = layout or world.layout
         self.drop_dead()
-        tp_dim = "world" if plan.kind == "encoder" else "tp"  # text encoders: sliced over every rank
-        tp = (world.world_size if tp_dim == "world" else layout.size("tp")) if plan.tensor_parallel is not None else 1
+        tp = layout.size("tp") if plan.tensor_parallel is not None else 1
         # What each rank holds depends on the layout through its tensor-parallel slice only (tp is
         # the innermost dimension: rank r holds slice r % tp in every layout): layouts that differ
         # in their context-parallel dimensions alone share the weights sent once.
@@ -180,7 +179,7 @@ class ModelCopies:
             self._copies.pop(module, None)  # rank 0's old shard goes before the new one is cut
             found.run_module = None
         started = time.perf_counter()
-        coords = [r if tp_dim == "world" else layout.coords(r)["tp"] for r in range(world.world_size)]
+        coords = [layout.coords(r)["tp"] for r in range(world.world_size)]
         if self.transport == "shared":
             run_module = self._send_shared(module, plan, source, key, tp, coords)
         else:

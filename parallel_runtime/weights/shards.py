@@ -233,6 +233,20 @@ def encoder_valid_sizes(root: torch.nn.Module, plan, limit: int = 256) -> list[i
     return valid
 
 
+def encoder_group_size(valid: list[int], world_size: int) -> int:
+    """The ranks a text encoder runs tensor parallel over in a world of ``world_size``: the largest
+    size it splits over (``valid``) that divides the world, so that the world tiles into groups of
+    it (1: the encoder runs whole on rank 0). The one rule Shard Text Encoder and the runtime read."""
+    return max(v for v in valid if world_size % v == 0)
+
+
+def encoder_layout_sizes(group: int, world_size: int) -> dict[str, int]:
+    """The mesh an encoder runs in: ``group`` ranks tensor parallel (innermost, neighbouring
+    devices), ``world_size // group`` such groups across, each computing the same conditioning (no
+    sequence split: the ring dimension only replicates)."""
+    return {"cfg": 1, "ring": world_size // group, "ulysses": 1, "tp": group}
+
+
 def _check_splits(root: torch.nn.Module, plan: "TensorParallelPlan", size: int) -> None:
     """Raise TensorParallelError if some planned layer or attribute does not split over ``size``."""
     for name, mod, spec in layer_specs(root, plan):
