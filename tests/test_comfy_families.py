@@ -23,7 +23,8 @@ pytestmark = pytest.mark.multirank
 LAYOUT_MAJOR = True  # conftest runs the tests grouped by layout: the world restarts once per layout
 TOL = 1e-4
 TP2_BYTES_LIMIT = 0.52
-# Ulysses 3 over the tiny families' two heads: padded heads (parallel/heads.py), one rank of padding only.
+# Ulysses 3 over the tiny families' four heads: 2, 1 and 1 real heads a rank, padded to 2 (parallel/heads.py);
+# the image families' 35 image tokens (80 x 112 pixels) do not divide by 3 either.
 LAYOUTS = {"ulysses2": {"ulysses_size": 2}, "tp2": {"tp_size": 2},
            "ulysses3": {"ulysses_size": 3, "devices": "cpu,cpu,cpu"}}
 ULYSSES3_QUICK = ("wan", "flux")
@@ -108,7 +109,8 @@ def test_family_equals_unsharded(tiny_server, layout, family):
 
 
 HYBRIDS = {"usp2x2": {"ulysses_size": 2, "ring_size": 2}, "ulysses2_tp2": {"ulysses_size": 2, "tp_size": 2},
-           # six ranks, Ulysses 3 over the two heads (padded): Ring 2 across, TP 2 inside (one head a TP rank)
+           # six ranks, Ulysses 3 over the four heads (padded): Ring 2 across; or TP 2 inside (two heads a TP
+           # rank: 1, 1 and 0 real heads a Ulysses rank)
            "usp3x2": {"ulysses_size": 3, "ring_size": 2}, "ulysses3_tp2": {"ulysses_size": 3, "tp_size": 2}}
 # Wan, and LTX-2 (two streams, cross-stream attention) where this ComfyUI has it.
 HYBRID_FAMILIES = [family for family in ("wan", "ltxav") if family in FAMILIES]
