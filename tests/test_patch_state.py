@@ -107,26 +107,26 @@ def plan_file(tiny_server):
     path.unlink(missing_ok=True)
 
 
-@pytest.mark.comfy_server
-def test_a_counting_patch_without_its_state_declared_is_refused_by_name(tiny_server, plan_file):
-    plan_file(state=False)
+def refusal(server, plan_file, state: bool, parallel: dict) -> str:
+    """The message the counting patch's prompt fails with, its plan written with or without its state."""
+    plan_file(state=state)
     with pytest.raises(PromptFailed) as info:
-        final_latents(tiny_server, counting_prompt({"tp_size": 2}, next(_tags), SEEDS[0]))
+        final_latents(server, counting_prompt(parallel, next(_tags), SEEDS[0]))
     message = str(info.value)
     print(f"\n{message}")
     assert "TinyCountingBoost" in message and "'calls'" in message
-    assert "state=" in message  # what to do: declare it
+    return message
+
+
+@pytest.mark.comfy_server
+def test_a_counting_patch_without_its_state_declared_is_refused_by_name(tiny_server, plan_file):
+    assert "state=" in refusal(tiny_server, plan_file, False, {"tp_size": 2})  # what to do: declare it
 
 
 @pytest.mark.comfy_server
 def test_a_counting_patch_under_a_sequence_split_is_refused_by_name(tiny_server, plan_file):
     """Each rank runs a per-token patch on its own tokens: its state is that rank's, not ComfyUI's."""
-    plan_file(state=True)
-    with pytest.raises(PromptFailed) as info:
-        final_latents(tiny_server, counting_prompt({"ulysses_size": 2}, next(_tags), SEEDS[0]))
-    message = str(info.value)
-    print(f"\n{message}")
-    assert "TinyCountingBoost" in message and "'calls'" in message
+    refusal(tiny_server, plan_file, True, {"ulysses_size": 2})
 
 
 @pytest.mark.comfy_server
