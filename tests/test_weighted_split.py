@@ -75,7 +75,7 @@ def test_a_weighted_shard_holds_its_real_tokens_only():
 
 def test_weights_are_checked():
     cpu = HostDevices("cpu", cpu_count=2)
-    with pytest.raises(ConfigError, match=r"weights='1,0' is not valid; give one positive number per rank \(2 here\)"):
+    with pytest.raises(ConfigError, match=r"weights='1,0' is not valid; give one finite positive number per rank \(2 here\)"):
         build_config(ulysses_size=2, weights="1,0", host=cpu)
     with pytest.raises(ConfigError, match="weights='fast'"):
         build_config(ulysses_size=2, weights="fast", host=cpu)
