@@ -24,6 +24,7 @@ import marshal
 import os
 import pickle
 import threading
+import time
 import types
 
 import torch
@@ -386,10 +387,28 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+SHM_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+SHM_MANAGER_TRIES = 3
+
+
 def _loads(data: bytes):
-    settings, module = _Unpickler(io.BytesIO(data)).load()
+    settings, module = _retried(lambda: _Unpickler(io.BytesIO(data)).load())
     apply_class_settings(settings)
     return module
+
+
+def _retried(load):
+    """``load()``, tried again where torch's shared-memory manager did not answer in time: on an
+    overloaded machine (many CPU ranks on 2 cores) a worker's first connection to it can time out
+    (seen in CI, bench/results/ci_timings.md), and the unpickling only reads ``data``, so trying
+    again is safe. Any other error, or the last try's, is raised as it is."""
+    for attempt in range(SHM_MANAGER_TRIES):
+        try:
+            return load()
+        except RuntimeError as exc:
+            if SHM_MANAGER_TIMEOUT not in str(exc) or attempt == SHM_MANAGER_TRIES - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
 _SETTING_TYPES = (type(None), bool, int, float, str, torch.dtype)
