@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from ..config import CONFIG_INPUTS, ConfigError, InputError, build_config, read_inputs, world_size_of
+from ..config import CONFIG_INPUTS, ConfigError, InputError, config_from_inputs, read_inputs, world_size_of
 from ..world.runtime import RUNTIME
 
 STATUS_ROUTE = "/parallel/status"
@@ -26,8 +26,12 @@ VALIDATE_ROUTE = "/parallel/validate"
 BODY_MAX = 128 * 1024  # bytes of a validate request: six inputs of at most config.TEXT_MAX characters
 
 
-def _world_size(inputs: dict | None) -> int | None:
+def _world_size(values: dict) -> int | None:
     """The product of the sizes where they are all whole numbers (also when the config is refused)."""
+    try:
+        inputs = read_inputs(values)
+    except ConfigError:
+        return None
     if inputs is None:
         return None
     sizes = [inputs[spec.name] for spec in CONFIG_INPUTS if spec.kind == "int"]
@@ -38,17 +42,14 @@ def _world_size(inputs: dict | None) -> int | None:
 
 def validate(values: dict, host) -> dict:
     """{ok, world_size, devices, message} for Parallel Config inputs: the config the node would
-    build of the same values (``config.read_inputs`` then ``config.build_config``, as
-    ``config.config_from_inputs``), so the canvas refuses exactly what the node refuses, with the
-    same message. Every input of ``config.CONFIG_INPUTS`` counts (missing ones at their defaults);
+    build of the same values (``config.config_from_inputs``), so the canvas refuses exactly what the
+    node refuses, with the same message. Every input of ``config.CONFIG_INPUTS`` counts (missing ones at their defaults);
     a null value is an input linked from another node. ``malformed``: the refusal is of a value no
     widget can hold (``config.InputError``)."""
-    inputs = None
     try:
-        inputs = read_inputs(values)
-        config = None if inputs is None else build_config(**inputs, host=host)
+        config = config_from_inputs(values, host)
     except ConfigError as exc:
-        return {"ok": False, "world_size": _world_size(inputs), "message": str(exc),
+        return {"ok": False, "world_size": _world_size(values), "message": str(exc),
                 "malformed": isinstance(exc, InputError)}
     if config is None:
         return {"ok": True, "world_size": None,
