@@ -1,8 +1,13 @@
-"""The real ComfyUI front end in headless Chromium: the pack's nodes in the node library, Parallel
-Config's inline validation, a tiny sharded prompt run from the page, and the Parallel sidebar tab
-updating while it runs. Leaves a screenshot in out/browser/."""
+"""The real ComfyUI front end in headless Chromium, at its default window (1600x1000) and sidebar
+width: the pack's nodes in the node library, Parallel Config's inline validation (inside the node
+whatever the message's length), tiny sharded prompts run from the page in worlds of 2, 4 and 8 CPU
+ranks, and the Parallel sidebar tab while they run: every figure inside the panel, none cut off
+or hidden, in the dark and the light theme; the memory bars and step-time sparklines drawn and
+changing; the mesh drawn as its groups; layout auto's predictions beside the measured step; a
+loading bar per rank while weights load. Leaves screenshots in out/browser/."""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -12,6 +17,7 @@ from conftest import REPO
 pytestmark = pytest.mark.comfy_server
 SCREENSHOTS = REPO / "out" / "browser"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+PANEL = "document.getElementById('hybrid-parallel-panel')"
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +35,15 @@ def browser(tmp_path_factory):
                 "--window-size=1600,1000", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     yield driver
     driver.quit()
 
 
-def wait_for(driver, script, timeout=60, what="condition"):
+def wait_for(driver, script, timeout=60, what="condition", *args):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = driver.execute_script(script)
+        value = driver.execute_script(script, *args)
         if value:
             return value
         time.sleep(0.25)
@@ -56,15 +63,197 @@ def close_dialogs(driver):
                           ".forEach(b => b.click());")
 
 
-def test_front_end(browser, tiny_server):
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+def open_front_end(browser, server):
+    if browser.execute_script("return !!(window.app && window.app.extensions && window.app.extensions.some("
+                              "e => e.name === 'hybrid_parallel.status_panel'))"):
+        return
     # A first visit opens the template browser over the canvas; this user has seen it.
-    tiny_server.post("/settings/Comfy.TutorialCompleted", True)
-    browser.get(tiny_server.url)
+    server.post("/settings/Comfy.TutorialCompleted", True)
+    browser.get(server.url)
     wait_for(browser, "return window.app && window.app.graph && window.LiteGraph && "
                       "window.app.extensions.some(e => e.name === 'hybrid_parallel.status_panel')",
              what="the front end and the pack's extensions")
     close_dialogs(browser)
+
+
+def set_theme(browser, palette):
+    browser.execute_script("""
+        const s = app.extensionManager.setting;
+        return s.set('Comfy.ColorPalette', arguments[0]);""", palette)
+    # The front end's own background colour says the palette is applied.
+    wait_for(browser, """
+        const bg = getComputedStyle(document.body).getPropertyValue('--comfy-menu-bg').trim()
+            || getComputedStyle(document.body).backgroundColor;
+        const c = document.createElement('div'); c.style.color = bg; document.body.append(c);
+        const [r, g, b] = getComputedStyle(c).color.match(/\\d+/g).map(Number); c.remove();
+        const light = (r + g + b) / 3 > 128;
+        return light === (arguments[0] === 'light');""", 15, f"the {palette} theme", palette)
+
+
+def open_panel(browser):
+    if not browser.execute_script(f"return !!{PANEL}"):
+        click_button(browser, "Parallel")
+    wait_for(browser, f"return {PANEL} && {PANEL}.querySelector('.hp-rank')", what="the Parallel tab")
+
+
+# Every element of the panel (and the text in it) lies inside the panel's box, none is cut off
+# (wider content than its box, an ellipsis) or hidden, and nothing around the panel scrolls
+# sideways. Returns {problems, checked, panel: [left, right]}; figures in closed <details> are
+# out of sight by design: the test opens them all and checks again.
+FIT_CHECK = """
+const panel = document.getElementById('hybrid-parallel-panel');
+const box = panel.getBoundingClientRect();
+const problems = [];
+const name = (e) => e.tagName.toLowerCase() + (e.className && typeof e.className === 'string'
+    ? '.' + e.className.split(' ').join('.') : '') + (e.dataset && e.dataset.rank ? `[rank ${e.dataset.rank}]` : '');
+const inside = (r) => r.left >= box.left - 0.5 && r.right <= box.right + 0.5 && r.top >= box.top - 0.5
+    && r.bottom <= box.bottom + 0.5;
+let checked = 0;
+if (box.width < 150) problems.push(`panel only ${box.width}px wide`);
+if (box.left < 0 || box.right > window.innerWidth) problems.push('panel outside the window');
+for (const e of [panel, ...panel.querySelectorAll('*')]) {
+    if (e.closest('details:not([open])') && !e.matches('details, summary')) continue;
+    const style = getComputedStyle(e);
+    const r = e.getBoundingClientRect();
+    if (style.display === 'none' && !e.closest('svg')) { problems.push(`${name(e)} not displayed`); continue; }
+    if (style.visibility === 'hidden' || parseFloat(style.opacity) === 0) problems.push(`${name(e)} hidden`);
+    if (!e.closest('svg') || e.tagName === 'svg') {
+        if (r.width === 0 && r.height === 0 && e.textContent.trim()) problems.push(`${name(e)} has no box`);
+        if (!inside(r)) problems.push(`${name(e)} outside the panel: [${r.left},${r.right}]x[${r.top},${r.bottom}]`);
+        if (style.textOverflow === 'ellipsis') problems.push(`${name(e)} may end in an ellipsis`);
+        if (e.clientWidth && e.scrollWidth > e.clientWidth + 1) problems.push(`${name(e)} cut off: ${e.scrollWidth} > ${e.clientWidth}`);
+        if (e.clientHeight && e.scrollHeight > e.clientHeight + 1 && style.overflowY !== 'visible'
+            && !e.classList.contains('hp-track')) problems.push(`${name(e)} cut off below`);
+        if (style.webkitLineClamp && style.webkitLineClamp !== 'none') problems.push(`${name(e)} clamped`);
+    }
+    // The text itself, line by line.
+    for (const t of e.childNodes) {
+        if (t.nodeType !== 3 || !t.textContent.trim()) continue;
+        const range = document.createRange(); range.selectNodeContents(t);
+        for (const line of range.getClientRects()) {
+            if (!inside(line)) problems.push(`text '${t.textContent.slice(0, 30)}' outside the panel`);
+        }
+        checked += 1;
+    }
+}
+// Nothing around the panel scrolls sideways or clips it.
+for (let a = panel.parentElement; a && a !== document.body; a = a.parentElement) {
+    const style = getComputedStyle(a);
+    if (style.overflowX !== 'visible' && a.scrollWidth > a.clientWidth + 1) problems.push(`${name(a)} scrolls sideways`);
+    const r = a.getBoundingClientRect();
+    if (style.overflowX !== 'visible' && (box.left < r.left - 0.5 || box.right > r.right + 0.5)) problems.push(`${name(a)} clips the panel`);
+}
+return {problems, checked, panel: [box.left, box.right]};
+"""
+
+
+def assert_panel_fits(browser, label):
+    """The fit check with the details closed and then all open (as the user left them after)."""
+    for opened in (False, True):
+        browser.execute_script(f"{PANEL}.querySelectorAll('details').forEach(d => d.open = arguments[0])", opened)
+        result = browser.execute_script(FIT_CHECK)
+        assert not result["problems"], (label, opened, result["problems"][:10])
+        ranks = browser.execute_script(f"return {PANEL}.querySelectorAll('.hp-rank').length")
+        assert result["checked"] >= 10 * ranks, (label, result)  # the texts really were looked at
+    browser.execute_script(f"{PANEL}.querySelectorAll('details').forEach(d => d.open = false)")
+
+
+# Per rank: host fill and peak, GPU fill, and the sparkline's bars (count and heights).
+PICTURES = f"""
+return Array.from({PANEL}.querySelectorAll('.hp-rank')).map(card => {{
+    const host = card.querySelector('.hp-mem[data-kind=host]');
+    const fill = host && host.querySelector('.hp-fill');
+    const peak = host && host.querySelector('.hp-peak');
+    const spark = card.querySelector('svg.hp-spark');
+    const bars = spark ? Array.from(spark.querySelectorAll('rect:not(.hp-spark-bg)')) : [];
+    return {{rank: +card.dataset.rank, host: fill ? +fill.dataset.value : null,
+             hostWidth: fill ? fill.getBoundingClientRect().width : 0, hostTotal: host ? host.dataset.total : null,
+             peak: peak ? +peak.dataset.value : null, points: spark ? +spark.dataset.points : null,
+             heights: bars.map(b => +b.getAttribute('height')),
+             steps: parseInt(card.querySelector('.hp-forwards').textContent)}};
+}});"""
+
+
+def screenshot(browser, name):
+    close_dialogs(browser)
+    browser.save_screenshot(str(SCREENSHOTS / name))
+
+
+def node_box_check(browser):
+    """Parallel Config's message box inside the node's box (canvas or Vue node), and readable whole."""
+    return browser.execute_script("""
+        const n = window.__pc, box = n.__parallelMessage;
+        const b = box.getBoundingClientRect();
+        let node;
+        const vue = document.querySelector(`[data-node-id="${n.id}"]`);
+        if (vue) node = vue.getBoundingClientRect();
+        else {
+            const c = app.canvas, rect = c.canvas.getBoundingClientRect();
+            const th = LiteGraph.NODE_TITLE_HEIGHT;
+            const tl = c.ds.convertCanvasToOffset([n.pos[0], n.pos[1] - th]);
+            const br = c.ds.convertCanvasToOffset([n.pos[0] + n.size[0], n.pos[1] + n.size[1]]);
+            node = {left: rect.left + tl[0], top: rect.top + tl[1], right: rect.left + br[0], bottom: rect.top + br[1]};
+        }
+        const style = getComputedStyle(box);
+        return {box: [b.left, b.top, b.right, b.bottom], node: [node.left, node.top, node.right, node.bottom],
+                shown: b.width > 0 && b.height > 0 && style.visibility !== 'hidden' && style.display !== 'none',
+                whole: box.scrollHeight <= box.clientHeight + 1, scrolls: ['auto', 'scroll'].includes(style.overflowY),
+                title: box.title, text: box.textContent};""")
+
+
+def assert_message_inside(browser, message):
+    for _ in range(20):  # the node grows to the message on the next frames
+        check = node_box_check(browser)
+        (l, t, r, b), (nl, nt, nr, nb) = check["box"], check["node"]
+        if l >= nl - 1 and r <= nr + 1 and t >= nt - 1 and b <= nb + 1:
+            break
+        time.sleep(0.1)
+    assert check["shown"] and check["text"] == message, check
+    (l, t, r, b), (nl, nt, nr, nb) = check["box"], check["node"]
+    assert l >= nl - 1 and r <= nr + 1 and t >= nt - 1 and b <= nb + 1, check
+    # All of it readable: shown whole, or in a box that scrolls and with the whole text on hover.
+    assert check["whole"] or (check["scrolls"] and check["title"] == message), check
+    return check
+
+
+def sharded_workflow(seed, steps, **config):
+    workflow = json.loads((REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json").read_text())
+    for node in workflow["nodes"]:
+        if node["type"] == "KSampler":
+            node["widgets_values"][0] = seed  # a seed no other test used: the sampler really runs
+            node["widgets_values"][2] = steps
+    return workflow, config
+
+
+def load_and_configure(browser, workflow, config):
+    browser.execute_script("return app.loadGraphData(arguments[0])", workflow)
+    browser.execute_script("""
+        const pc = app.graph._nodes.find(n => n.type === 'ParallelConfig');
+        for (const [name, value] of arguments[0]) pc.widgets.find(w => w.name === name).value = value;""",
+                           list(config.items()))
+
+
+def run_and_watch(browser, world, timeout=300):
+    """Queue the graph from the page and sample the panel's pictures until every one of ``world``
+    ranks has stepped and the queue is empty. The samples, oldest first."""
+    browser.execute_script("app.queuePrompt(0)")
+    samples, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pictures = browser.execute_script(PICTURES)
+        samples.append(pictures)
+        queue = browser.execute_script(
+            "return fetch('/queue').then(r => r.json()).then(q => q.queue_running.length + q.queue_pending.length)")
+        if len(pictures) == world and all(p["steps"] > 0 for p in pictures) and queue == 0:
+            time.sleep(1.5)  # the poll after the prompt
+            samples.append(browser.execute_script(PICTURES))
+            return samples
+        time.sleep(0.2)
+    raise TimeoutError(f"{world} ranks did not all step: {samples[-1] if samples else None}")
+
+
+@pytest.mark.smoke
+def test_front_end(browser, tiny_server):
+    open_front_end(browser, tiny_server)
 
     # The pack's nodes are in the node library.
     click_button(browser, "Node Library")
@@ -74,6 +263,7 @@ def test_front_end(browser, tiny_server):
     wait_for(browser, "return document.body.innerText.includes('Parallel Config')", what="Parallel Config listed")
     for name in ("ShardTransformer", "ShardTextEncoder"):
         assert browser.execute_script(f"return !!LiteGraph.registered_node_types['{name}']")
+    click_button(browser, "Node Library")  # closes the library again
 
     # Parallel Config with a size this machine cannot run: the node says so before anything is queued.
     browser.execute_script("""
@@ -96,7 +286,7 @@ def test_front_end(browser, tiny_server):
     shown = browser.execute_script("return Array.from(document.querySelectorAll('.hybrid-parallel-validation'))"
                                    ".map(e => e.textContent).join(' | ')")
     assert message in shown  # in the DOM, on the node
-    click_button(browser, "Node Library")  # closes the library again
+    assert_message_inside(browser, message)
     close_dialogs(browser)
     browser.save_screenshot(str(SCREENSHOTS / "parallel_config_invalid.png"))
 
@@ -111,45 +301,170 @@ def test_front_end(browser, tiny_server):
         return wait_for(browser, "const v = window.__pc.parallelValidation; "
                                  f"return v && v.message.includes({json.dumps(expect)}) && v", what=expect)
 
-    result = canvas_says({"ulysses_size": 2, "devices": "cpu,cpu", "weights": "1,0.5,0.25"}, "weights=")
-    assert result["ok"] is False and result["message"].startswith("Parallel Config: weights='1,0.5,0.25'")
-    result = canvas_says({"weights": "", "ulysses_size": 1, "layout": "auto"}, "layout auto")
-    assert result["ok"] is True and result["world_size"] == 2, result
-
-    # A tiny sharded prompt from the page; the Parallel tab shows both ranks stepping.
-    workflow = json.loads((REPO / "example_workflows" / "tiny_wan_ulysses2_demo.json").read_text())
-    for node in workflow["nodes"]:
-        if node["type"] == "KSampler":
-            node["widgets_values"][0] = 4242  # a seed no other test used: the sampler really runs
-            node["widgets_values"][2] = 12
-    browser.execute_script("return app.loadGraphData(arguments[0])", workflow)
-    click_button(browser, "Parallel")
-    wait_for(browser, "return document.getElementById('hybrid-parallel-panel')", what="the Parallel tab")
-    before = tiny_server.get("/parallel/status")
-    browser.execute_script("app.queuePrompt(0)")
+    # A long message (the longest the config gives: a long input echoed, and what to give instead)
+    # stays inside the node too.
+    result = canvas_says({"ulysses_size": 2, "devices": "cpu,cpu", "weights": "1," * 100 + "x"}, "weights=")
+    assert result["ok"] is False and len(result["message"]) > 200
+    assert_message_inside(browser, result["message"])
+    # And one of the 1,000 characters any message of the pack stays under (config.MESSAGE_MAX),
+    # from a stand-in for the route.
+    longest = "Parallel Config: " + " ".join(["a very long message that wraps"] * 32)
+    browser.execute_script("""
+        window.__realFetch = window.__realFetch || window.fetch;
+        const message = arguments[0];
+        window.fetch = (url, options) => String(url).includes('/parallel/validate')
+            ? Promise.resolve(new Response(JSON.stringify({ok: false, world_size: null, message}),
+                                           {headers: {'Content-Type': 'application/json'}}))
+            : window.__realFetch(url, options);""", longest)
     try:
-        rows = wait_for(browser, """
-        const rows = Array.from(document.querySelectorAll('#hybrid-parallel-panel tr.hp-rank'));
-        const steps = rows.map(r => parseInt(r.querySelector('.hp-forwards').textContent));
-        return rows.length === 2 && steps.every(s => s > 0) ? steps : null;""", timeout=180,
-                        what="two ranks stepping in the Parallel tab")
+        canvas_says({"devices": "cpu,cpu,cpu"}, "very long message")
+        check = assert_message_inside(browser, longest)
+        assert check["scrolls"] and not check["whole"], check  # clamped: the node does not grow without end
+        screenshot(browser, "parallel_config_long_message.png")
     finally:
-        close_dialogs(browser)
-        browser.save_screenshot(str(SCREENSHOTS / "parallel_panel.png"))
-        print("panel:", browser.execute_script(
-            "return document.getElementById('hybrid-parallel-panel')?.innerText"))
-        print("history:", str(tiny_server.get("/history?max_items=2"))[:1500])
-    assert len(rows) == 2
-    panel = browser.execute_script("return document.getElementById('hybrid-parallel-panel').innerText")
+        browser.execute_script("window.fetch = window.__realFetch")
+    result = canvas_says({"weights": "", "devices": "cpu,cpu", "ulysses_size": 1, "layout": "auto"}, "layout auto")
+    assert result["ok"] is True and result["world_size"] == 2, result
+    assert_message_inside(browser, result["message"])
+
+    # A tiny sharded prompt from the page; the Parallel tab shows both ranks stepping, with their
+    # memory bars and step-time sparklines, inside the panel in both themes.
+    before = tiny_server.get("/parallel/status")
+    load_and_configure(browser, *sharded_workflow(4242, 6))
+    open_panel(browser)
+    set_theme(browser, "dark")
+    try:
+        samples = run_and_watch(browser, 2)
+    finally:
+        screenshot(browser, "parallel_panel.png")
+        print("panel:", browser.execute_script(f"return {PANEL}?.innerText"))
+    first, last = samples[0], samples[-1]
+    assert len(last) == 2 and all(p["steps"] > 0 for p in last), last
+    panel = browser.execute_script(f"return {PANEL}.innerText")
     assert "World size 2" in panel and "ulysses 2" in panel
-    time.sleep(1.5)
-    close_dialogs(browser)
-    browser.save_screenshot(str(SCREENSHOTS / "parallel_panel.png"))
+    # Drawn: a host bar against the machine's memory (ComfyUI's /system_stats) with its peak mark,
+    # and a sparkline of the steps seen, on every rank.
+    ram = tiny_server.get("/system_stats")["system"]["ram_total"]
+    for p in last:
+        assert p["host"] > 0 and p["hostWidth"] > 0 and int(p["hostTotal"]) == ram and p["peak"] >= p["host"], p
+        assert p["points"] >= 1 and len(p["heights"]) == p["points"] and max(p["heights"]) > 0, p
+    # Changed as the prompt ran: the bars' figures and the sparklines moved between the samples.
+    assert any(a != b for a, b in zip(samples, samples[1:])), "the pictures never changed"
+    assert sum(p["points"] for p in last) > sum(p["points"] or 0 for p in first), (first, last)
     after = tiny_server.get("/parallel/status")
     # Every rank stepped in this prompt: against its count before in the same world, or from none where
-    # the prompt started a new one (the workers differ: an earlier test ran another layout, whose
-    # counts, rank 0's included, belonged to that world).
+    # the prompt started a new one.
     same_world = [r["pid"] for r in before["ranks"][1:]] == [r["pid"] for r in after["ranks"][1:]]
     counted = [r.get("forwards", 0) for r in before["ranks"]] if same_world else [0] * len(after["ranks"])
     assert all(r["forwards"] > n for r, n in zip(after["ranks"], counted))
+    assert_panel_fits(browser, "2 ranks, dark")
+
+    # The light theme, and a second prompt: one more step time on every sparkline, same scale.
+    set_theme(browser, "light")
+    assert_panel_fits(browser, "2 ranks, light")
+    load_and_configure(browser, *sharded_workflow(4243, 3))
+    samples = run_and_watch(browser, 2)
+    again = samples[-1]
+    assert all(b["points"] > a["points"] for a, b in zip(last, again)), (last, again)
+    assert_panel_fits(browser, "2 ranks, light, second prompt")
+    screenshot(browser, "parallel_panel_light.png")
+
+    # Weights loading: a progress bar per rank with bytes and the way they travel, from each rank's
+    # `load` field (a stand-in status answers it here); none where nothing loads.
+    loads = [{"done_bytes": 3 * 2**20, "total_bytes": 13 * 2**20, "via": "shared"},
+             {"done_bytes": 9 * 2**20, "total_bytes": 13 * 2**20, "via": "process_group"}]
+    try:
+        for theme in ("light", "dark"):
+            set_theme(browser, theme)
+            bars = show_loading(browser, loads)
+            assert [b["rank"] for b in bars] == [0, 1], bars
+            for bar, load in zip(bars, loads):
+                shown = re.search(r"([\d.]+) MB / ([\d.]+) MB", bar["text"])
+                assert f"via {load['via']}" in bar["text"] and shown, bar
+                assert abs(float(shown[1]) - load["done_bytes"] / 2**20) < 0.51, bar
+                assert abs(float(shown[2]) - load["total_bytes"] / 2**20) < 0.51, bar
+                assert abs(bar["fraction"] - load["done_bytes"] / load["total_bytes"]) < 0.02, bar
+            assert_panel_fits(browser, f"loading, {theme}")
+            screenshot(browser, f"parallel_panel_loading_{theme}.png")
+        # Done, or no field: no bar.
+        assert show_loading(browser, [{"done_bytes": 5, "total_bytes": 5, "via": "shared"}, None]) == []
+        assert show_loading(browser, []) == []
+    finally:
+        browser.execute_script("window.fetch = window.__realFetch || window.fetch")
     print(f"\nscreenshots in {SCREENSHOTS}")
+
+
+def show_loading(browser, loads):
+    """The panel drawn from the real status with ``loads`` as the ranks' ``load`` fields (left out
+    where the list ends: the field as a runtime without it answers); its loading bars."""
+    browser.execute_script("""
+        window.__realFetch = window.__realFetch || window.fetch;
+        const loads = arguments[0];
+        window.fetch = async (url, options) => {
+            const response = await window.__realFetch(url, options);
+            if (!String(url).includes('/parallel/status')) return response;
+            const status = await response.json();
+            status.ranks.forEach((r, i) => { if (i < loads.length) r.load = loads[i]; });
+            return new Response(JSON.stringify(status), {headers: {'Content-Type': 'application/json'}});
+        };""", loads)
+    time.sleep(2.2)  # two polls
+    return browser.execute_script(f"""
+        return Array.from({PANEL}.querySelectorAll('.hp-rank .hp-load')).map(l => {{
+            const track = l.querySelector('.hp-track'), fill = l.querySelector('.hp-fill');
+            return {{rank: +l.closest('.hp-rank').dataset.rank, text: l.innerText,
+                     fraction: fill.getBoundingClientRect().width / track.getBoundingClientRect().width}};
+        }});""")
+
+
+# 4 ranks under layout auto (its predictions beside the measured step), 8 as cfg 2 x ring 2 x
+# ulysses 2 (every group of the mesh drawn). Few steps: 8 CPU ranks share two cores here.
+WORLDS = {
+    4: {"ulysses_size": 4, "devices": "cpu,cpu,cpu,cpu", "layout": "auto"},
+    8: {"cfg_size": 2, "ring_size": 2, "ulysses_size": 2, "devices": ",".join(["cpu"] * 8)},
+}
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS))
+def test_panel_in_larger_worlds(browser, tiny_server, world):
+    open_front_end(browser, tiny_server)
+    set_theme(browser, "dark")
+    load_and_configure(browser, *sharded_workflow(5000 + world, 2, **WORLDS[world]))
+    open_panel(browser)
+    samples = run_and_watch(browser, world, timeout=400)
+    last = samples[-1]
+    assert sorted(p["rank"] for p in last) == list(range(world)), last
+    for p in last:
+        assert p["host"] > 0 and p["hostWidth"] > 0 and p["points"] >= 1 and max(p["heights"]) > 0, p
+    status = tiny_server.get("/parallel/status")
+    mesh = browser.execute_script(f"""
+        const m = {PANEL}.querySelector('.hp-mesh');
+        return m && {{chips: Array.from(m.querySelectorAll('.hp-chip')).map(c => +c.dataset.rank),
+                     boxes: m.querySelectorAll('.hp-cfg').length,
+                     rows: Array.from(m.querySelectorAll('.hp-cfg')).map(b => Array.from(b.querySelectorAll('.hp-mesh-row'))
+                         .map(r => Array.from(r.querySelectorAll('.hp-chip')).map(c => +c.dataset.rank)))}};""")
+    assert mesh and sorted(mesh["chips"]) == list(range(world)), mesh
+    # Drawn as its groups: a box per cfg branch, a row per ring position; a row's ranks are the
+    # ranks of one Ulysses group (they differ only in their ulysses coordinate).
+    sizes = status["mesh"]
+    assert mesh["boxes"] == sizes["cfg"] and all(len(rows) == sizes["ring"] for rows in mesh["rows"]), (mesh, sizes)
+    coords = {r["rank"]: r["coords"] for r in status["ranks"]}
+    for rows in mesh["rows"]:
+        for row in rows:
+            assert len(row) == sizes["ulysses"] * sizes["tp"], (row, sizes)
+            assert len({tuple(v for d, v in coords[k].items() if d not in ("ulysses", "tp")) for k in row}) == 1, \
+                (row, coords)
+    if WORLDS[world].get("layout") == "auto":
+        assert status["layouts"], status
+        predicted = browser.execute_script(f"""
+            return Array.from({PANEL}.querySelectorAll('.hp-layout .hp-pred')).map(p => ({{kind: p.dataset.kind,
+                text: p.innerText, width: p.querySelector('.hp-fill').getBoundingClientRect().width}}));""")
+        kinds = [p["kind"] for p in predicted]
+        assert "predicted" in kinds and "measured" in kinds and all(p["width"] > 0 for p in predicted), predicted
+        chosen = status["layouts"][-1]
+        ms = chosen["predicted_step_ms"]
+        assert any(f"{ms:.{1 if ms < 100 else 0}f} ms predicted" in p["text"] for p in predicted), (predicted, chosen)
+    for theme in ("dark", "light"):
+        set_theme(browser, theme)
+        assert_panel_fits(browser, f"{world} ranks, {theme}")
+        screenshot(browser, f"parallel_panel_{world}_ranks_{theme}.png")
+    set_theme(browser, "dark")

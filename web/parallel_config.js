@@ -43,10 +43,36 @@ async function validate(node) {
   const box = node.__parallelMessage;
   if (box) {
     box.textContent = result.message;
+    box.title = result.message; // the whole message on hover, also where the box scrolls
     box.dataset.ok = result.ok ? "true" : "false";
-    box.style.color = result.ok ? "#8c8" : "#f77";
+    box.style.color = result.ok ? "#2aa876" : "#e0463c";
+    fitMessage(node);
   }
   node.setDirtyCanvas?.(true, true);
+}
+
+// The message box asks for the height its text takes at the node's width, up to MESSAGE_LINES
+// lines (a longer message scrolls inside the box, and shows whole on hover), and the node grows to
+// hold it: the text never runs past the node's edge.
+const MESSAGE_LINES = 6;
+const LINE_PX = 16;
+function messageHeight(node) {
+  const box = node.__parallelMessage;
+  if (!box) return LINE_PX + 8;
+  // The text's height at the box's width (the box is sized by the canvas, not by its text).
+  const width = box.clientWidth || Math.max(80, (node.size?.[0] ?? 300) - 20);
+  const probe = box.cloneNode(true);
+  probe.style.cssText += `;position:absolute;visibility:hidden;height:auto;max-height:none;width:${width}px;`;
+  document.body.append(probe);
+  const text = probe.scrollHeight;
+  probe.remove();
+  return Math.min(Math.max(text, LINE_PX) + 4, MESSAGE_LINES * LINE_PX + 8);
+}
+
+function fitMessage(node) {
+  node.__parallelMessageHeight = messageHeight(node);
+  const wanted = node.computeSize?.();
+  if (wanted && node.size && wanted[1] > node.size[1]) node.setSize?.([node.size[0], wanted[1]]);
 }
 
 app.registerExtension({
@@ -59,10 +85,16 @@ app.registerExtension({
       onNodeCreated?.apply(this, arguments);
       const box = document.createElement("div");
       box.className = "hybrid-parallel-validation";
-      box.style.cssText = "font: 12px sans-serif; padding: 2px 6px; white-space: normal; overflow-wrap: anywhere;";
+      box.style.cssText = "font: 12px/16px sans-serif; padding: 2px 6px; white-space: normal; overflow-wrap: anywhere;"
+        + "box-sizing: border-box; height: 100%; max-height: 100%; overflow-y: auto;";
       box.textContent = "…";
       this.__parallelMessage = box;
-      this.addDOMWidget?.("validation", "parallel_validation", box, { serialize: false });
+      this.__parallelMessageHeight = LINE_PX + 8;
+      this.addDOMWidget?.("validation", "parallel_validation", box, {
+        serialize: false,
+        getMinHeight: () => this.__parallelMessageHeight,
+        getMaxHeight: () => this.__parallelMessageHeight,
+      });
       for (const widget of this.widgets ?? []) {
         if (!isInput(widget)) continue;
         const callback = widget.callback;
