@@ -132,6 +132,11 @@ class Dispatch:
                 key, run_module = self.copies.ensure(module, call.plan, source, call.layout)
                 # A patch's model is held whole on every rank (not cut under TP), sent once.
                 patch_keys = [self.copies.ensure(m, PATCH_MODEL_PLAN, None, call.layout)[0] for m in call.patch_models]
+            if self.copies.sends != sends and self.device.type == "cpu":
+                # A send to CPU ranks moves the weights into shared memory (or cuts them) and frees
+                # what they were loaded into: in the arenas of ComfyUI's prompt thread glibc keeps
+                # those pages (measured: half a model's worth under Ulysses 2) unless trimmed.
+                memory.release_free_heap(collect=False)
             out = self._run_everywhere(call, module, method, key, run_module, mesh, distributed_attention, compile,
                                        weights, (chunks, overlap), patch_keys)
             if self.first_forward is None:
