@@ -293,6 +293,7 @@ def run_compiled_scenario(scenario, device: str, threads: int, repeat: int | Non
         "recompiles_per_rank": [r["recompiles"] for r in status["ranks"]],
         "max_abs_err": (out.float() - reference.float()).abs().max().item(),
         "max_rel_err": ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item(),
+        "dtype": str(reference.dtype).removeprefix("torch."),  # what the comparison's tolerance is for
         "notes": scenario.notes, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 

@@ -145,15 +145,57 @@ def test_a_compiled_run_slower_than_eager_fails_the_compile_part():
     """The stored H100 record: correct, no recompiles, but compiled slower than eager at 2 ranks
     (113.8 against 104.0 ms, gain ratio 0.80): its verdict is a failure that says so. The same
     record with compiled faster than eager at both sizes passes."""
-    from gpu_check import compile_row
+    from gpu_check import compile_row, compile_tolerance
 
     (record,) = [r["data"] for r in json.loads(H100_COMPILE.read_text())["rows"]]
-    row = compile_row(record, 3e-2)
+    row = compile_row(record, compile_tolerance(record, gpu=True))
     assert not row.ok and "compiled slower than eager at 2 ranks" in row.figure and "0.80" in row.figure
     faster = dict(record, compiled2_ms_median=90.0, compile_speedup_world2=104.0 / 90.0,
                   compile_speedup_ratio=(104.0 / 90.0) / record["compile_speedup_world1"])
-    assert compile_row(faster, 3e-2).ok
-    assert not compile_row(dict(faster, recompiles_per_rank=[0, 1]), 3e-2).ok
+    assert compile_row(faster, compile_tolerance(faster, gpu=True)).ok
+    assert not compile_row(dict(faster, recompiles_per_rank=[0, 1]), 1e-4).ok
+
+
+def test_the_compile_parts_tolerance_is_for_the_dtype_it_compared_in():
+    """The bench compares compiled with eager in fp32 (its models are built in fp32; records without a
+    dtype predate the field): fp32's 1e-4 on a GPU, not a flat bf16 3e-2, so a compiled result 5e-4
+    apart fails. A bf16 record gets the documented multiple of the stored bf16 rounding."""
+    from gpu_check import compile_row, compile_tolerance
+    from test_first_step_check import documented_bf16_multiple, stored_roundings
+
+    (record,) = [r["data"] for r in json.loads(H100_COMPILE.read_text())["rows"]]
+    faster = dict(record, compiled2_ms_median=90.0, compile_speedup_world2=104.0 / 90.0,
+                  compile_speedup_ratio=(104.0 / 90.0) / record["compile_speedup_world1"])
+    assert "dtype" not in record and compile_tolerance(record, gpu=True) == 1e-4
+    assert compile_row(dict(faster, max_rel_err=9e-5), compile_tolerance(faster, gpu=True)).ok
+    off = dict(faster, max_rel_err=5e-4)
+    row = compile_row(off, compile_tolerance(off, gpu=True))
+    assert not row.ok and "max rel err 5.0e-04 over 1e-04" in row.figure
+    bf16 = dict(faster, dtype="bfloat16")
+    assert compile_tolerance(bf16, gpu=True) == pytest.approx(
+        documented_bf16_multiple() * float(f"{stored_roundings()[-1][3]:.1e}"))
+    assert compile_tolerance(bf16, gpu=False) == 1e-5  # CPU ranks: fp32, whatever the record
+
+
+def test_the_server_cases_bf16_tolerance_is_the_stated_multiple_of_the_rounding_measured():
+    """On a GPU every comparison through the server allows the documented multiple of the bf16
+    rounding the part measured (here set, as Check.bf16_rounding would measure it): a result 10 %
+    beyond it fails, 10 % within passes; on CPU ranks the fp32 1e-5."""
+    import torch
+
+    from gpu_check import Check
+    from test_first_step_check import documented_bf16_multiple, perturbed, rel_l2
+
+    check = object.__new__(Check)
+    check.gpu, check._rounding = True, 4.2e-3
+    tolerance = documented_bf16_multiple() * 4.2e-3
+    assert check.rel_tol == pytest.approx(tolerance, rel=1e-12)
+    ref = torch.randn(1, 16, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    within, beyond = perturbed(ref, 0.9 * tolerance, 1), perturbed(ref, 1.1 * tolerance, 2)
+    assert rel_l2(within, ref) < tolerance < rel_l2(beyond, ref)
+    assert check.compare("within", within, ref).ok and not check.compare("beyond", beyond, ref).ok
+    check.gpu = False
+    assert check.rel_tol == 1e-5 and not check.compare("within", within, ref).ok
 
 
 def test_readme_gpu_table_is_generated_from_the_stored_results():
