@@ -79,3 +79,72 @@ def test_readme_links_every_docs_page():
     readme = (REPO / "README.md").read_text()
     missing = [p.name for p in (REPO / "docs").glob("*.md") if f"docs/{p.name}" not in readme]
     assert not missing, missing
+
+
+# ---------------------------------------------------------------- every figure has a stored file behind it
+RESULTS = REPO / "bench" / "results"
+# A measured figure: a number with a unit of time, speed, size or ratio, or an error like 6.0e-7.
+FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s?(?:ms|s|x|%|MB|GB|GiB|MiB|dB)\b|e-\d+)")
+FILE_NAME = re.compile(r"(?<![\w/.-])(?:\.\./)*"
+                       r"((?:bench/results/)?(?:gpu_check_[\d-]+/)?[\w.-]+\.(?:jsonl|json|md|png))")
+
+
+def results_files_named(text: str) -> list[str]:
+    """The stored-results names ``text`` gives: a path under bench/results/, or a name that can only be
+    one (``*.jsonl``, a dated name, a GPU-check file), not a docs page or a tool's output name."""
+    return [n for n in FILE_NAME.findall(text)
+            if n.startswith(("bench/results/", "gpu_check_")) or n.endswith(".jsonl")
+            or re.search(r"20\d\d-\d\d-\d\d", n) or re.match(r"(h100|h200|cpu_check)_", n)]
+
+
+def is_stored(name: str) -> bool:
+    if name.startswith("bench/results/"):
+        return (REPO / name).is_file()
+    return (RESULTS / name).is_file() or any(RESULTS.glob(f"gpu_check_*/{name}"))
+
+
+def prose(path: Path) -> str:
+    return re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # commands name output files to write
+
+
+def test_every_results_file_named_in_readme_and_docs_is_stored():
+    missing = [f"{doc.relative_to(REPO)}: {name}" for doc in _documents()
+               for name in results_files_named(prose(doc)) if not is_stored(name)]
+    assert not missing, "\n".join(missing)
+
+
+def test_every_benchmark_table_and_figure_names_the_stored_file_it_comes_from():
+    """docs/benchmarks.md: each table names a stored results file in itself or in the text since the
+    previous table or heading, and each section that states a figure names one."""
+    blocks, unbacked, context = re.split(r"\n\s*\n", prose(REPO / "docs" / "benchmarks.md")), [], ""
+    for block in blocks:
+        if block.lstrip().startswith("#"):
+            context = ""
+        if block.lstrip().startswith("|"):
+            if not any(is_stored(n) for n in results_files_named(context + block)):
+                unbacked.append(f"table: {block.strip().splitlines()[0][:100]}")
+            context = ""
+        else:
+            context += "\n" + block
+    sections = re.split(r"(?m)^(#{1,4} .*)$", prose(REPO / "docs" / "benchmarks.md"))
+    for heading, body in [("(top)", sections[0]), *zip(sections[1::2], sections[2::2])]:
+        figures = FIGURE.findall(body)
+        if figures and not any(is_stored(n) for n in results_files_named(body)):
+            unbacked.append(f"section {heading}: {', '.join(figures[:5])}")
+    assert not unbacked, "figures without a stored results file named:\n" + "\n".join(unbacked)
+
+
+def test_the_readmes_gpu_timings_lie_within_the_stored_gpu_runs():
+    """Failure behaviour's figures on a GPU (a killed worker reported within, Cancel idle within) are
+    the range of the stored GPU-check runs (bench/results/gpu_check_*), read here from the files."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    killed = re.search(r"an error within \d+ s on CPU ranks, (\d\.\d)-(\d\.\d) s on a GPU", readme)
+    idle = re.search(r"idle within \d+ s \(tested; (\d\.\d) s on a GPU\)", readme)
+    assert killed and idle, "the README's failure timings moved; update this test"
+    import json
+    rows = [row for path in RESULTS.glob("gpu_check_*/*.json") for row in json.loads(path.read_text())["rows"]
+            if row["ok"]]
+    errors = [r["data"]["error_after_s"] for r in rows if "error_after_s" in r["data"]]
+    idles = [r["data"]["idle_s"] for r in rows if "idle_s" in r["data"]]
+    assert (float(killed[1]), float(killed[2])) == (min(errors), max(errors)), errors
+    assert float(idle[1]) == max(idles), idles
