@@ -72,7 +72,8 @@ function messageHeight(node) {
 function fitMessage(node) {
   node.__parallelMessageHeight = messageHeight(node);
   const wanted = node.computeSize?.();
-  if (wanted && node.size && wanted[1] > node.size[1]) node.setSize?.([node.size[0], wanted[1]]);
+  // Set even where the size stays: the canvas lays the widgets out again (the box gets its height).
+  if (wanted && node.size) node.setSize?.([node.size[0], Math.max(wanted[1], node.size[1])]);
 }
 
 app.registerExtension({

@@ -222,27 +222,28 @@ function rankCard(r, ctx) {
     ...(r.heads ? [["heads", `${r.heads.real} real, ${r.heads.attended} attended`]] : []),
     ["pid", `${r.pid ?? "–"}${r.host && r.host !== "local" ? ` on ${r.host}` : ""}`],
   ];
-  const details = el("details", { className: "hp-details", open: openDetails.has(r.rank) }, [
-    el("summary", { textContent: "details" }),
-    el("dl", {}, facts.flatMap(([k, v]) => [el("dt", { textContent: k }), el("dd", { textContent: v })])),
-  ]);
-  details.addEventListener("toggle", () => (details.open ? openDetails.add(r.rank) : openDetails.delete(r.rank)));
+  // The card is a <details>: its summary is the glance (head, bars, sparkline), a click opens the
+  // rest of the figures below it; hovering shows them all too.
   const slow = ctx.slow.has(r.rank);
-  return el("div", { className: `hp-rank${slow ? " hp-slow" : ""}`, dataset: { rank: r.rank },
-    title: facts.map(([k, v]) => `${k}: ${v}`).join("\n") }, [
-    el("div", { className: "hp-rank-head" }, [
-      el("span", { className: "hp-rank-id", textContent: `rank ${r.rank}` }),
+  const card = el("details", { className: `hp-rank${slow ? " hp-slow" : ""}`, open: openDetails.has(r.rank),
+    dataset: { rank: r.rank }, title: facts.map(([k, v]) => `${k}: ${v}`).join("\n") }, [
+    el("summary", {}, [
+      el("div", { className: "hp-rank-head" }, [
+        el("span", { className: "hp-rank-id", textContent: `rank ${r.rank}` }),
       el("span", { className: "hp-device", textContent: r.device ?? "–" }),
       el("span", { className: `hp-alive${r.alive ? "" : " hp-dead"}`, textContent: r.alive ? "● alive" : "✕ down" }),
       el("span", { className: "hp-last-ms", textContent: fmtMs(r.last_forward_ms) }),
       el("span", { className: "hp-steps" }, [el("span", { className: "hp-forwards", textContent: `${r.forwards ?? 0}` }), " steps"]),
-      ...(r.compiling ? [el("span", { className: "hp-compiling", textContent: "compiling…" })] : []),
+        ...(r.compiling ? [el("span", { className: "hp-compiling", textContent: "compiling…" })] : []),
+      ]),
+      ...loadBar(r.load),
+      ...bars,
+      el("div", { className: "hp-spark-box" }, [sparkline(points, ctx.stepMax)]),
     ]),
-    ...loadBar(r.load),
-    ...bars,
-    el("div", { className: "hp-spark-box" }, [sparkline(points, ctx.stepMax)]),
-    details,
+    el("dl", { className: "hp-details" }, facts.flatMap(([k, v]) => [el("dt", { textContent: k }), el("dd", { textContent: v })])),
   ]);
+  card.addEventListener("toggle", () => (card.open ? openDetails.add(r.rank) : openDetails.delete(r.rank)));
+  return card;
 }
 
 function render(root, status) {
@@ -307,10 +308,13 @@ const style = `
 .hp-panel .hp-last-ms { margin-left: auto; }
 .hp-panel .hp-alive { color: #3a3; }
 .hp-panel .hp-dead { color: #e0463c; }
-.hp-panel .hp-spark { display: block; width: 100%; height: 22px; fill: #2aa876; }
+.hp-panel .hp-spark { display: block; width: 100%; height: 18px; fill: #2aa876; }
 .hp-panel .hp-slow .hp-spark { fill: #e0a030; }
 .hp-panel .hp-spark-bg { fill: rgba(128,128,128,0.12); }
-.hp-panel details summary { cursor: pointer; font-size: 11px; opacity: 0.85; }
+.hp-panel .hp-rank > summary { display: block; list-style: none; cursor: pointer; }
+.hp-panel .hp-rank > summary::-webkit-details-marker { display: none; }
+.hp-panel .hp-rank-id::before { content: "▸ "; opacity: 0.6; }
+.hp-panel .hp-rank[open] .hp-rank-id::before { content: "▾ "; }
 .hp-panel dl { display: grid; grid-template-columns: max-content 1fr; gap: 0 8px; margin: 2px 0; }
 .hp-panel dd { margin: 0; }
 .hp-panel .hp-mesh-boxes { display: flex; flex-wrap: wrap; gap: 6px; }
