@@ -76,10 +76,12 @@ def open_front_end(browser, server):
     close_dialogs(browser)
 
 
+def set_setting(browser, name, value):
+    browser.execute_script("return app.extensionManager.setting.set(arguments[0], arguments[1])", name, value)
+
+
 def set_theme(browser, palette):
-    browser.execute_script("""
-        const s = app.extensionManager.setting;
-        return s.set('Comfy.ColorPalette', arguments[0]);""", palette)
+    set_setting(browser, "Comfy.ColorPalette", palette)
     # The front end's own background colour says the palette is applied.
     wait_for(browser, """
         const bg = getComputedStyle(document.body).getPropertyValue('--comfy-menu-bg').trim()
@@ -270,7 +272,7 @@ def test_front_end(browser, tiny_server):
     browser.execute_script("""
         app.graph.clear();
         const node = LiteGraph.createNode('ParallelConfig');
-        const [x, y] = app.canvas.convertOffsetToCanvas([700, 250]);
+        const [x, y] = app.clientPosToCanvasPos([600, 200]);  // mid-window, clear of the minimap
         node.pos = [x, y];
         app.graph.add(node);
         window.__pc = node;""")
@@ -324,6 +326,17 @@ def test_front_end(browser, tiny_server):
         screenshot(browser, "parallel_config_long_message.png")
     finally:
         browser.execute_script("window.fetch = window.__realFetch")
+    # With the front end's Vue node rendering ("Nodes 2.0") switched on, the node is a DOM element
+    # and the message stays inside it too.
+    set_setting(browser, "Comfy.VueNodes.Enabled", True)
+    try:
+        wait_for(browser, "return document.querySelector(`[data-node-id='${window.__pc.id}']`)", 20, "the Vue node")
+        result = canvas_says({"devices": "cpu,cpu", "weights": "1," * 99 + "y"}, "weights=")
+        assert_message_inside(browser, result["message"])
+        screenshot(browser, "parallel_config_vue_nodes.png")
+    finally:
+        set_setting(browser, "Comfy.VueNodes.Enabled", False)
+    wait_for(browser, "return !document.querySelector(`[data-node-id='${window.__pc.id}']`)", 20, "the canvas node")
     result = canvas_says({"weights": "", "devices": "cpu,cpu", "ulysses_size": 1, "layout": "auto"}, "layout auto")
     assert result["ok"] is True and result["world_size"] == 2, result
     assert_message_inside(browser, result["message"])
