@@ -347,6 +347,8 @@ def test_front_end(browser, tiny_server):
     load_and_configure(browser, *sharded_workflow(4242, 6))
     open_panel(browser)
     set_theme(browser, "dark")
+    # Before the prompt: a single rank where no world ran yet in this server, else the last world.
+    assert_panel_fits(browser, f"before the prompt, world size {before['world_size']}")
     try:
         samples = run_and_watch(browser, 2)
     finally:
