@@ -404,26 +404,64 @@ def test_front_end(browser, tiny_server):
             screenshot(browser, f"parallel_panel_loading_{theme}.png")
         # Done, or no field: no bar.
         assert show_loading(browser, [{"done_bytes": 5, "total_bytes": 5, "via": "shared"}, None]) == []
-        assert show_loading(browser, []) == []
+        assert show_loading(browser, [{}, {}]) == []
+
+        # GPU ranks (a stand-in: this machine has none): allocated and reserved against the card's
+        # memory as ComfyUI's /system_stats gives it, with the peak marked.
+        gib = 2**30
+        gpus = [{"device": f"cuda:{i}", "gpu_allocated_bytes": (10 + 20 * i) * gib, "gpu_reserved_bytes": (16 + 20 * i) * gib,
+                 "gpu_peak_allocated_bytes": (12 + 20 * i) * gib, "gpu_peak_reserved_bytes": (18 + 20 * i) * gib,
+                 "load": None} for i in range(2)]
+        stats = tiny_server.get("/system_stats")
+        stats["devices"] = [{"name": f"cuda:{i} NVIDIA H100 80GB HBM3", "type": "cuda", "index": i,
+                             "vram_total": 80 * gib, "vram_free": 40 * gib} for i in range(2)]
+        stand_in(browser, gpus, stats)
+        bars = browser.execute_script(f"""
+            return Array.from({PANEL}.querySelectorAll('.hp-rank')).map(card => {{
+                const bar = card.querySelector('.hp-mem[data-kind=gpu]');
+                if (!bar) return null;
+                const track = bar.querySelector('.hp-track').getBoundingClientRect().width;
+                const width = (cls) => bar.querySelector(cls).getBoundingClientRect().width / track;
+                return {{total: +bar.dataset.total, allocated: width('.hp-fill-gpu'), reserved: width('.hp-fill-reserved'),
+                         peak: (bar.querySelector('.hp-peak').getBoundingClientRect().left + 1
+                                - bar.querySelector('.hp-track').getBoundingClientRect().left) / track,
+                         text: bar.innerText}};
+            }});""")
+        for bar, gpu in zip(bars, gpus):
+            assert bar and bar["total"] == 80 * gib, bars
+            assert abs(bar["allocated"] - gpu["gpu_allocated_bytes"] / (80 * gib)) < 0.02, bar
+            assert abs(bar["reserved"] - gpu["gpu_reserved_bytes"] / (80 * gib)) < 0.02, bar
+            assert abs(bar["peak"] - gpu["gpu_peak_reserved_bytes"] / (80 * gib)) < 0.02, bar
+        assert_panel_fits(browser, "GPU ranks (stand-in), dark")
+        screenshot(browser, "parallel_panel_gpu_stand_in.png")
     finally:
         browser.execute_script("window.fetch = window.__realFetch || window.fetch")
     print(f"\nscreenshots in {SCREENSHOTS}")
 
 
-def show_loading(browser, loads):
-    """The panel drawn from the real status with ``loads`` as the ranks' ``load`` fields (left out
-    where the list ends: the field as a runtime without it answers); its loading bars."""
+def stand_in(browser, ranks, system_stats=None):
+    """From now on the page reads the real status with ``ranks[i]``'s fields put into rank i's
+    (the ranks past the list's end as they are), and ``system_stats`` for /system_stats if given:
+    figures a CPU run has not (a GPU, a load under way) drawn by the real panel."""
     browser.execute_script("""
         window.__realFetch = window.__realFetch || window.fetch;
-        const loads = arguments[0];
+        const [ranks, stats] = arguments;
+        const json = (value) => new Response(JSON.stringify(value), {headers: {'Content-Type': 'application/json'}});
         window.fetch = async (url, options) => {
+            if (stats && String(url).includes('/system_stats')) return json(stats);
             const response = await window.__realFetch(url, options);
             if (!String(url).includes('/parallel/status')) return response;
             const status = await response.json();
-            status.ranks.forEach((r, i) => { if (i < loads.length) r.load = loads[i]; });
-            return new Response(JSON.stringify(status), {headers: {'Content-Type': 'application/json'}});
-        };""", loads)
+            status.ranks.forEach((r, i) => Object.assign(r, ranks[i] || {}));
+            return json(status);
+        };""", ranks, system_stats)
     time.sleep(2.2)  # two polls
+
+
+def show_loading(browser, loads):
+    """The panel drawn with ``loads`` as the ranks' ``load`` fields (left as the runtime answers
+    past the list's end); its loading bars."""
+    stand_in(browser, [{"load": load} for load in loads])
     return browser.execute_script(f"""
         return Array.from({PANEL}.querySelectorAll('.hp-rank .hp-load')).map(l => {{
             const track = l.querySelector('.hp-track'), fill = l.querySelector('.hp-fill');

@@ -49,7 +49,7 @@ function svg(tag, attrs = {}, children = []) {
 // Per rank: the process and step count seen last, and the last HISTORY step times.
 const history = new Map();
 const openDetails = new Set(); // ranks whose details the user opened
-let capacity = { ramTotal: null, devices: [], read: 0 };
+let capacity = { ramTotal: null, devices: [], read: 0, key: "" };
 
 function remember(status) {
   const ranks = status.ranks || [];
@@ -69,14 +69,17 @@ function remember(status) {
   }
 }
 
-async function readCapacity() {
-  if (Date.now() - capacity.read < 30000) return;
+// Read again every 30 s, and at once for a world on other devices.
+async function readCapacity(status) {
+  const key = (status.ranks || []).map((r) => r.device).join(",");
+  if (Date.now() - capacity.read < 30000 && key === capacity.key) return;
   capacity.read = Date.now();
+  capacity.key = key;
   try {
     const stats = await (await api.fetchApi("/system_stats")).json();
-    capacity = { ramTotal: stats.system?.ram_total ?? null, devices: stats.devices || [], read: Date.now() };
+    Object.assign(capacity, { ramTotal: stats.system?.ram_total ?? null, devices: stats.devices || [] });
   } catch {
-    capacity.read = Date.now();
+    // keep what was known
   }
 }
 
@@ -336,9 +339,9 @@ async function refresh() {
   const root = panelRoot;
   if (!root?.isConnected) return;
   try {
-    await readCapacity();
     const response = await api.fetchApi("/parallel/status");
     const status = await response.json();
+    await readCapacity(status);
     if (root.isConnected) render(root, status);
   } catch (error) {
     root.textContent = `could not read /parallel/status: ${error}`;
