@@ -199,7 +199,10 @@ function layoutPicture(status) {
 function rankCard(r, ctx) {
   const hostNow = r.pss_bytes ?? r.rss_bytes;
   const hostPeak = r.rss_peak_bytes ?? null;
-  const bars = [memoryBar("host", `host ${fmtBytes(hostNow)}${hostPeak != null ? `, peak ${fmtBytes(hostPeak)}` : ""}`,
+  // Now: PSS (pages shared between ranks counted once), else RSS; the peak: the kernel's RSS high-water mark.
+  const hostNowKind = r.pss_bytes != null ? "PSS" : "RSS";
+  const bars = [memoryBar("host", `host ${fmtBytes(hostNow)} ${hostNowKind}`
+    + `${hostPeak != null ? `, peak ${fmtBytes(hostPeak)} RSS` : ""}`,
     [{ value: hostNow, cls: "hp-fill-host" }], hostPeak,
     (r.host == null || r.host === "local") ? capacity.ramTotal : null, ctx.hostMax)];
   if (r.gpu_allocated_bytes != null) {
