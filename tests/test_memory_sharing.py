@@ -45,3 +45,35 @@ def test_two_cpu_ranks_share_one_copy_of_the_weights(tmp_path, comfyui_path):
           f"2 ranks {per_rank} = {summed / 1e9:.2f} GB; ratio {ratio:.2f} (limit {LIMIT})")
     assert len(ranks) == 2 and ranks[1]["param_bytes"] == weights > 1e9
     assert ratio <= LIMIT
+
+
+GROWTH_LIMIT, PEAK_LIMIT = 1.15, 1.3  # against the unsharded run's growth and its peak. Issue 48 aims at 1.10:
+# measured 1.07-1.10 (2026-11-28, 2 cores shared); about 100 MB a layout is not yet accounted for
+
+
+@pytest.mark.parametrize("layouts", [("tp2", "ulysses2", "ulysses2_tp2")])
+def test_the_first_prompt_on_a_big_model_costs_one_copy_of_the_weights(tmp_path, comfyui_path, layouts):
+    """A fresh server per layout with its workers started on the tiny demo, then the first prompt on
+    a 1 GB model: the summed PSS of ComfyUI and every process it started grows at most 1.15x what the
+    unsharded run's grows (issue 48 aims at 1.10x), and peaks at most 1.3x its peak; every worker holds its weights through
+    the shared transport (its ``load`` says so, bytes done of its total)."""
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import load
+
+    rows = {r["layout"]: r for r in load.run(comfyui_path, layouts, gigabytes=1.0, workdir=tmp_path)}
+    print()
+    for row in rows.values():
+        print(f"{row['layout']:>14}: growth {row['growth'] / 1e6:6.0f} MB ({row['growth_ratio']:.2f}x), "
+              f"peak {row['peak_growth'] / 1e6:6.0f} MB ({row['peak_ratio']:.2f}x), {row['seconds']:.1f} s")
+    assert rows["unsharded"]["growth"] > 0.9e9  # the model, as ComfyUI holds it
+    for name in layouts:
+        row = rows[name]
+        assert row["transport"] == "shared", row
+        for rank in row["ranks"][1:]:
+            load_ = rank["load"]
+            assert load_ is not None and load_["via"] == "shared", rank
+            assert load_["done_bytes"] == load_["total_bytes"] == rank["param_bytes"] > 0, rank
+        assert row["growth_ratio"] <= GROWTH_LIMIT, row
+        assert row["peak_ratio"] <= PEAK_LIMIT, row

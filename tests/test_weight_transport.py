@@ -3,7 +3,10 @@ or by IPC handles (one host without NCCL), forced with PARALLEL_WEIGHT_TRANSPORT
 point-to-point transfers (gloo on CUDA), forced with PARALLEL_FORCE_STAGING. Every rank runs
 the code a GPU runs; each result is compared with one process in fp32."""
 
+import time
+
 import pytest
+
 import torch
 
 from conftest import VersionedSource, counted_forwards
@@ -68,6 +71,11 @@ def test_weights_resent_to_three_workers_when_their_version_changes(comfyui_path
         held = world.holdings(model)
         expected = {name: tensor_digest(t) for name, t in named_tensors(model)}
         assert all(held[rank] == expected for rank in range(4))
+        # Each rank's load says the bytes it received of the model's total, and the way they came.
+        nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors(model))
+        time.sleep(0.2)  # the workers publish their figures every 50 ms
+        loads = [r["load"] for r in world.status()["ranks"]]
+        assert loads == [{"done_bytes": nbytes, "total_bytes": nbytes, "via": transport}] * 4, loads
     finally:
         world.shutdown("test done")
 

@@ -224,11 +224,13 @@ class ModelCopies:
         weight_of = self._weight_of(module, source, torch.device("cpu"))
         if tp > 1:
             dequantize = self._dequantize(module, source)
-            shards = {c: build_shard(module, plan.tensor_parallel, c, tp, weight_of=weight_of, dequantize=dequantize)
-                      for c in range(tp)}
+            # Views where a slice is one: every rank maps the pages of the weight rank 0 holds.
+            shards = {c: build_shard(module, plan.tensor_parallel, c, tp, weight_of=weight_of, dequantize=dequantize,
+                                     views=True) for c in range(tp)}
             run_module, target_of = shards[coords[0]], (lambda rank: shards[coords[rank]])
         else:
             run_module, target_of = module, (lambda rank: module)
+        stream.LOAD.begin(sum(pickling.param_bytes(target_of(w.rank)) for w in world.workers))
         for w in world.workers:
             target = target_of(w.rank)
             # One pickle per receiver: each pickle takes a reference on the shared files that
@@ -236,6 +238,7 @@ class ModelCopies:
             w.conn.send(("load", key, plan_wire(plan),
                          pickling.pack_module(target, module_state=sources.worker_module_state)))
             w.storages[key] = pickling.shared_storages(target)  # given back if this worker dies
+            stream.LOAD.add(pickling.param_bytes(target))
         return run_module
 
     def _send_stream(self, module, plan, source, key, tp, coords):

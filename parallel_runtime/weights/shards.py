@@ -89,6 +89,19 @@ class Cut:
             return tuple(self.sizes)
         return tuple(out)
 
+    def view(self, t: torch.Tensor, rank: int, size: int) -> torch.Tensor | None:
+        """This rank's part of a plain tensor as a view of ``t``'s storage where one strided view
+        is that part (one segment along ``dim``; the whole bias on rank 0), else None. CPU ranks of
+        one host compute on the pages of rank 0's tensor itself: nothing is copied for them."""
+        if quantized.layout_name(t) is not None or packed.packing(t) is not None:
+            return None
+        if self.kind == "bias_once" and rank == 0:
+            return t.detach()
+        if self.kind == "segments" and len(self.sizes) == 1:
+            part = self.sizes[0] // size
+            return t.detach().narrow(self.dim, rank * part, part)
+        return None
+
     def apply(self, t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """This rank's part of ``t``: always a fresh tensor, never a view (a view would keep,
         and send, the full weight). ComfyUI's quantized layouts are cut with their scales."""
@@ -154,20 +167,25 @@ def _identity(t):
 
 def build_shard(root: torch.nn.Module, plan: TensorParallelPlan, rank: int, size: int,
                 weight_of: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                dequantize: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> torch.nn.Module:
+                dequantize: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                views: bool = False) -> torch.nn.Module:
     """A copy of ``root`` holding TP rank ``rank``'s slices of the planned layers.
 
     ``weight_of(name, tensor)`` gives each tensor as the forward would use it (ComfyUI's LoRA
     patches applied; see ``sources``); by default the tensor itself. A replicated tensor
     that it returns unchanged is shared with ``root``, not copied. Packed (GGUF) tensors are
     cut as stored where they can be, else ``dequantize(name, tensor)`` is cut (``packed``).
+    ``views``: a slice that is one strided view of the weight is that view (``Cut.view``), not a copy.
     """
     cuts = cut_plan(root, plan, size)
     memo: dict[int, object] = {}
     for name, t in named_tensors(root):
         w = t if weight_of is None else weight_of(name, t)
         cut = cuts.get(id(t))
-        if cut is not None:
+        part = cut.view(w, rank, size) if cut is not None and views else None
+        if part is not None:
+            memo[id(t)] = _param(part, t)
+        elif cut is not None:
             undo = (lambda w, name=name: dequantize(name, w)) if dequantize is not None else _no_dequantize(name)
             memo[id(t)] = _param(packed.cut_or_dequantize(cut, w, rank, size, undo), t)
         else:

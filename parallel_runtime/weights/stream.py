@@ -96,6 +96,28 @@ def allocate(entries: list[Entry], tp_size: int, device) -> list[torch.Tensor]:
     return [torch.empty(e.local_shape(tp_size), dtype=e.dtype, device=device) for e in entries]
 
 
+class LoadProgress:
+    """The weights this process is receiving (a worker) or sending (rank 0): bytes done of the
+    model's total, for the status route's per-rank ``load`` (plain ints: one writer, readers
+    tolerate a stale value). Stays at done == total after a load, until the next."""
+
+    def __init__(self):
+        self.done = 0
+        self.total = 0
+
+    def begin(self, total: int) -> None:
+        self.done, self.total = 0, int(total)
+
+    def add(self, nbytes: int) -> None:
+        self.done = min(self.total, self.done + int(nbytes))
+
+    def finish(self) -> None:
+        self.done = self.total
+
+
+LOAD = LoadProgress()
+
+
 # ---------------------------------------------------------------- channels
 class ProcessGroupChannel:
     """Buckets through the world's process group (rank 0 is the source)."""
@@ -165,7 +187,8 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
     entry, its own tensor (its slice at that coordinate, on ``device``) and returns them."""
     kept: list[torch.Tensor | None] | None = [None] * len(entries) if keep_coord is not None else None
     layout = StreamLayout(entries, tp_size, bucket_bytes)
-    for kind, members, _ in layout.ops:
+    LOAD.begin(layout.nbytes)
+    for kind, members, total in layout.ops:
         if kind == "broadcast":
             pieces = []
             for i in members:
@@ -180,6 +203,7 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
                 bucket = pieces[0].clone() if channel.shares_buckets else pieces[0]
             channel.send_broadcast(bucket)
             comm.PROGRESS.tick()
+            LOAD.add(total)
             del bucket, pieces
             continue
         per_coord: list[list[torch.Tensor]] = [[] for _ in range(tp_size)]
@@ -195,6 +219,7 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
         payload = [torch.cat(p) if len(p) > 1 else p[0] for p in per_coord]
         channel.send_scatter([payload[c] for c in tp_coords])
         comm.PROGRESS.tick()
+        LOAD.add(total)
         del payload, per_coord
     return kept
 
@@ -203,6 +228,7 @@ def receive(entries: list[Entry], slots: list[torch.Tensor], channel, device, tp
             bucket_bytes: int = BUCKET_BYTES) -> None:
     """A worker's side: fill ``slots`` (allocated by ``allocate``) in the order rank 0 sends."""
     layout = StreamLayout(entries, tp_size, bucket_bytes)
+    LOAD.begin(layout.nbytes)
     for kind, members, total in layout.ops:
         bucket = channel.recv_broadcast(total, device) if kind == "broadcast" else channel.recv_scatter(total, device)
         if bucket.numel() != total:
@@ -215,6 +241,7 @@ def receive(entries: list[Entry], slots: list[torch.Tensor], channel, device, tp
         del bucket
         channel.received()
         comm.PROGRESS.tick()
+        LOAD.add(total)
     # The copies above are queued on the device: the worker says "loaded" (and rank 0 times the
     # send) only once they are done.
     comm.synchronize(device)

@@ -192,6 +192,8 @@ class _Server:
             table = self.status_table
             if table is not None:
                 table[self.rank, field] = float(comm.PROGRESS.count)
+                table[self.rank, protocol.LOAD_FIELDS] = torch.tensor([float(stream.LOAD.done),
+                                                                       float(stream.LOAD.total)], dtype=torch.float64)
 
         def loop():
             while not stop.is_set():
@@ -237,6 +239,8 @@ class _Server:
         form (a family name, or a user plan's text)."""
         self._drop(key)  # release the old weights first
         module = pickling.unpack_module(data, self.device)
+        stream.LOAD.begin(pickling.param_bytes(module))
+        stream.LOAD.finish()  # mapped at once
         self.models[key] = (module, plan_from_wire(plan).for_module(module))
         self._loaded(key)
 
