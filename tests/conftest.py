@@ -125,11 +125,19 @@ class VersionedSource:
     """A weight source outside ComfyUI (``comfy_weights.WeightSource``'s interface): the module's
     tensors as they are, under a version the test changes by hand."""
 
-    def __init__(self):
+    def __init__(self, checkpoint: str | None = None):
         self.number = 0
+        self.path = checkpoint  # the file the test saved the model to, if any (weights/file_reads.py)
+        self.patched_names: set[str] = set()
 
     def version(self):
         return ("test", self.number)
+
+    def checkpoint(self):
+        return self.path, "a test model built in memory"
+
+    def patched(self, name, owner=None):
+        return name in self.patched_names
 
     def refuse_unsupported(self, what):
         pass

@@ -368,3 +368,55 @@ def test_a_shared_memory_manager_timeout_is_tried_again_and_other_errors_are_not
     with pytest.raises(RuntimeError, match="something else"):
         pickling._retried(lambda: calls.append(1) or (_ for _ in ()).throw(RuntimeError("something else")))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("sizes", [{"ulysses_size": 2}, {"tp_size": 2}], ids=["ulysses2", "tp2"])
+def test_workers_read_their_weights_from_the_checkpoint_and_the_rest_travels_with_its_reason(
+        tmp_path, comfyui_path, monkeypatch, sizes):
+    """The stream's path (what GPU ranks take), with the model's checkpoint on disk: every worker
+    reads its unpatched tensors from the file (its slices under TP), a patched tensor and one changed
+    in place since the save travel over the stream, each with its reason; every rank holds exactly
+    what the unsharded model computes with. Switched off, everything travels, and the status says why."""
+    from safetensors.torch import save_file
+
+    model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=4, text_dim=TEXT_DIM)
+    path = tmp_path / "tiny_wan.safetensors"
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    with torch.no_grad():
+        model.blocks[0].self_attn.q.weight[-1] += 0.5  # changed in place after the load: must not come from the file
+    source = VersionedSource(str(path))
+    source.patched_names = {"blocks.1.ffn.0.weight"}
+    args = wan_inputs(seed=2)
+    plan = find_plan(model)
+    tp = sizes.get("tp_size", 1)
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": "process_group"}, **sizes)
+    try:
+        out = run(world, model, args, source)
+        err = (out - reference(model, args)).abs().max().item()
+        reads = world.copies.last_send["file_reads"]
+        count = len(list(named_tensors(model)))
+        print(f"\n{sizes}: max abs err {err:.2e}; {reads}")
+        assert err <= 1e-5
+        assert reads["file"] == path.name and reads["tensors"] == count - 2 and reads["streamed_tensors"] == 2
+        assert sorted(reads["why_streamed"]) == [
+            "differs from the file (changed in place, or the file changed since the load)",
+            "patched (a LoRA or another weight patch): sent merged"]
+        full = sum(t.numel() * t.element_size() for _, t in named_tensors(model))
+        assert 0.8 * full / tp < reads["bytes_per_worker"][0] < full / tp
+        held = world.holdings(model)
+        for rank in range(world.world_size):
+            coord = world.layout.coords(rank)["tp"]
+            shard = model if tp == 1 else build_shard(model, plan.tensor_parallel, coord, tp)
+            assert held[rank] == {n: tensor_digest(t) for n, t in named_tensors(shard)}, rank
+        time.sleep(0.2)
+        load = world.status()["ranks"][1]["load"]
+        assert load["done_bytes"] == load["total_bytes"] == world.status()["ranks"][1]["param_bytes"]
+
+        monkeypatch.setenv("PARALLEL_FILE_READS", "0")
+        source.number += 1
+        again = run(world, model, args, source)
+        assert torch.equal(again, out)
+        reads = world.copies.last_send["file_reads"]
+        assert reads["tensors"] == 0 and reads["why_streamed"] == {"PARALLEL_FILE_READS=0": count}
+    finally:
+        world.shutdown("test done")

@@ -24,6 +24,7 @@ only its own; workers receive only theirs.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quantized, sources, packed, pickling, stream
+from . import file_reads, quantized, sources, packed, pickling, stream
 from .shards import build_shard, cut_plan, finish_shard, named_tensors
 from ..distributed import comm
 from ..plans import ModelPlan, check_plan_matches, plan_wire
@@ -125,6 +126,7 @@ class ModelCopies:
         self._dead_keys: list[str] = []  # models garbage-collected on rank 0, to drop at the next safe point
         self.transport, self.transport_reason = choose_transport(world.config, world.device)
         self.sends = 0
+        self.last_reads: dict | None = None  # the last stream's file reads (file_reads.ReadPlan, summed up)
         self.last_send: dict = {}  # the last model sent: seconds, transport, bytes (and the forward it came with)
 
     @property
@@ -194,7 +196,8 @@ class ModelCopies:
         weakref.finalize(module, _release_key, weakref.ref(self), key)
         elapsed = time.perf_counter() - started
         self.sends += 1
-        self.last_send = {"seconds": round(elapsed, 3), "transport": self.transport, "rank0_bytes": nbytes, "tp": tp}
+        self.last_send = {"seconds": round(elapsed, 3), "transport": self.transport, "rank0_bytes": nbytes, "tp": tp,
+                          "file_reads": self.last_reads if self.transport != "shared" else None}
         log.info("sent %s (%.1f MB on rank 0%s) to %d workers by %s in %.2fs", type(module).__name__, nbytes / 1e6,
                  f", tensor parallel {tp}" if tp > 1 else "", len(world.workers), self.transport, elapsed)
         return key, run_module
@@ -249,18 +252,46 @@ class ModelCopies:
         forms = self._stream_forms(module, source, cuts, tp)
         data, tensors, packed_slots, parts = pickling.pack_skeleton(
             module, module_state=sources.worker_module_state, forms=forms)
-        entries = _stream_entries(tensors, packed_slots, parts, forms, cuts)
+        weight = self._stream_weight(module, source, names, tensors, packed_slots, parts, forms, tp)
+        reads = self._file_reads(module, source, names, tensors, packed_slots, parts, forms)
+        entries = [dataclasses.replace(e, from_file=True) if i in reads.keys else e
+                   for i, e in enumerate(_stream_entries(tensors, packed_slots, parts, forms, cuts))]
         wire = [e.wire() for e in entries]
         for w in world.workers:
             w.conn.send(("load_stream", key, plan_wire(plan), data, wire, (coords[w.rank], tp), self.transport,
-                         stream.BUCKET_BYTES))
-        weight = self._stream_weight(module, source, names, tensors, packed_slots, parts, forms, tp)
+                         stream.BUCKET_BYTES, reads.wire()))
+        self.last_reads = {"file": reads.path and os.path.basename(reads.path), "tensors": len(reads.keys),
+                           "bytes_per_worker": [sum(entries[i].local_nbytes(tp) for i in reads.keys)
+                                                for _ in world.workers],
+                           "streamed_tensors": sum(reads.why_streamed.values()),
+                           "why_streamed": dict(reads.why_streamed)}
         kept = stream.send(entries, weight, self._channel(), world.device, tp, coords,
                            keep_coord=coords[0] if tp > 1 else None, bucket_bytes=stream.BUCKET_BYTES)
         if tp == 1:
             return module
         shard = finish_shard(pickling.unpack_skeleton(data, kept), plan.tensor_parallel, coords[0], tp)
         return shard.to(world.device)
+
+    def _file_reads(self, module, source, names, tensors, packed_slots, parts, forms) -> file_reads.ReadPlan:
+        """The slots every worker reads from the checkpoint itself (``file_reads``), checked here."""
+        plain = [i for i, t in enumerate(tensors)
+                 if i not in parts and i not in packed_slots and id(t) not in forms and file_reads.readable(t)]
+        if not file_reads.enabled():
+            path, why = None, f"{file_reads.SWITCH_ENV}=0"
+        elif self.world.config.multi_host:
+            path, why = None, "ranks on several hosts (the file may not be on theirs)"
+        elif source is None:
+            path, why = None, "a model without a ComfyUI loader"
+        else:
+            path, why = source.checkpoint()
+        owners = sources.owners(module) if path is not None else {}
+        slots = []
+        for i in plain:
+            t, name = tensors[i], names.get(id(tensors[i]))
+            patched = path is not None and name is not None and source.patched(name, owners.get(name))
+            base = t if path is None or patched or name is None else source.weight(name, t, t.device, owners.get(name))
+            slots.append((i, name, base, patched))
+        return file_reads.plan_reads(path, why, slots)
 
     def _stream_forms(self, module, source, cuts, tp) -> dict:
         """Packed (GGUF) tensors: stored as they are, or dequantized where TP cannot cut them;

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from . import packed
+from . import file_reads, packed
 
 # Per-process state ComfyUI puts on its layers when it loads a model: what a worker receives
 # is merged already, so this state must not travel with the structure.
@@ -120,6 +120,14 @@ class WeightSource:
         key = self.prefix + name
         patches = self.patcher.patches.get(key)
         return [(patches, key)] if patches else []
+
+    def patched(self, name: str, owner=None) -> bool:
+        """Whether a weight patch (merged or applied per forward) changes tensor ``name``."""
+        return self.prefix + name in self.patcher.patches or bool(_patch_functions(owner, name))
+
+    def checkpoint(self) -> tuple[str | None, str]:
+        """The file the model was loaded from, or None and why not (``file_reads.checkpoint_of``)."""
+        return file_reads.checkpoint_of(self.patcher)
 
     def refuse_unsupported(self, what: str) -> None:
         """Scheduled weight hooks change the weights per step on rank 0 only."""

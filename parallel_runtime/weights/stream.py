@@ -44,6 +44,7 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     cut: Cut | None = None
+    from_file: bool = False  # every worker reads it from the checkpoint itself (``file_reads``): not streamed
 
     def local_shape(self, tp_size: int) -> tuple[int, ...]:
         return self.cut.shape(self.shape, tp_size) if self.cut is not None else self.shape
@@ -54,12 +55,12 @@ class Entry:
     def wire(self) -> tuple:
         """Builtins only (a class of this pack pickled on rank 0 names its import path there)."""
         cut = None if self.cut is None else (self.cut.what, self.cut.kind, self.cut.dim, self.cut.sizes, self.cut.kv)
-        return (self.shape, self.dtype, cut)
+        return (self.shape, self.dtype, cut, self.from_file)
 
     @classmethod
     def from_wire(cls, item) -> "Entry":
-        shape, dtype, cut = item
-        return cls(tuple(shape), dtype, None if cut is None else Cut(*cut))
+        shape, dtype, cut, from_file = item
+        return cls(tuple(shape), dtype, None if cut is None else Cut(*cut), from_file)
 
 
 class StreamLayout:
@@ -71,6 +72,8 @@ class StreamLayout:
         self.ops: list[tuple[str, list[int], int]] = []
         open_: dict[str, tuple[list[int], int]] = {"broadcast": ([], 0), "scatter": ([], 0)}
         for i, entry in enumerate(entries):
+            if entry.from_file:
+                continue
             kind = "broadcast" if entry.cut is None else "scatter"
             n = entry.local_nbytes(tp_size)
             members, total = open_[kind]
@@ -221,14 +224,21 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
         comm.PROGRESS.tick()
         LOAD.add(total)
         del payload, per_coord
+    if kept is not None:
+        for i, entry in enumerate(entries):
+            if entry.from_file:
+                w = weight_of(i)
+                w = w if w.device == torch.device(device) else w.to(device)
+                kept[i] = w if entry.cut is None else entry.cut.apply(w, keep_coord, tp_size)
     return kept
 
 
 def receive(entries: list[Entry], slots: list[torch.Tensor], channel, device, tp_size: int,
             bucket_bytes: int = BUCKET_BYTES) -> None:
-    """A worker's side: fill ``slots`` (allocated by ``allocate``) in the order rank 0 sends."""
+    """A worker's side: fill ``slots`` (allocated by ``allocate``) in the order rank 0 sends
+    (``LOAD`` counts the streamed bytes and what the worker reads from the file after)."""
     layout = StreamLayout(entries, tp_size, bucket_bytes)
-    LOAD.begin(layout.nbytes)
+    LOAD.begin(sum(e.local_nbytes(tp_size) for e in entries))
     for kind, members, total in layout.ops:
         bucket = channel.recv_broadcast(total, device) if kind == "broadcast" else channel.recv_scatter(total, device)
         if bucket.numel() != total:

@@ -39,7 +39,7 @@ from ..parallel.execution import run_sharded
 from ..parallel.vae_bands import band_convs
 from ..plans import plan_from_wire
 from ..plans.matching import matching_modules
-from ..weights import pickling, stream
+from ..weights import file_reads, pickling, stream
 from ..weights.pickling import tensor_digest
 from ..weights.shards import finish_shard, named_tensors
 
@@ -245,9 +245,10 @@ class _Server:
         self._loaded(key)
 
     def on_load_stream(self, key: str, plan_sent, data: bytes, wire: list, tp: tuple, channel: str,
-                       bucket_bytes: int) -> None:
+                       bucket_bytes: int, reads=None) -> None:
         """A skeleton whose slots are allocated here, on this rank's device, at this rank's
-        shape, then filled from rank 0's byte stream (weights/stream.py)."""
+        shape, then filled from rank 0's byte stream (weights/stream.py) and, for the slots
+        ``reads`` names (``(path, {slot: key})``), from the checkpoint file (weights/file_reads.py)."""
         self._drop(key)  # free the old copy before the new one takes device memory
         tp_rank, tp_size = tp
         entries = [stream.Entry.from_wire(item) for item in wire]
@@ -255,6 +256,10 @@ class _Server:
         link = stream.ProcessGroupChannel() if channel == "process_group" else \
             stream.HandleChannel(conn=self.conn)
         stream.receive(entries, slots, link, self.device, tp_size, bucket_bytes)
+        if reads is not None:
+            path, keys = reads
+            file_reads.read_into(path, keys, entries, slots, tp, progress=stream.LOAD.add)
+            comm.synchronize(self.device)
         # Filled first: a tensor rebuilt around its slots may copy them (ComfyUI's QuantizedTensor).
         module = pickling.unpack_skeleton(data, slots)
         plan = plan_from_wire(plan_sent).for_module(module)
