@@ -1,0 +1,60 @@
+"""The GPU ranks' weight path through a real ComfyUI server: the stream (forced on the CPU with
+PARALLEL_WEIGHT_TRANSPORT=process_group), with every worker reading what it holds from the file
+ComfyUI's loader recorded (ComfyUI 0.33 on), the LoRA-patched tensors travelling merged. The
+latents equal the unsharded run's; on a ComfyUI that records no file everything travels and the
+status says why."""
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from comfy_server import ComfyServer
+from workflows import edited, remove_passthrough
+
+pytestmark = pytest.mark.comfy_server
+TOL = 1e-4  # fp32 rounding of a sharded run against one process (tests/test_comfy_e2e.py)
+PATCHED = "patched (a LoRA or another weight patch): sent merged"
+
+
+def final_latent(server, prompt):
+    entry = server.run(prompt, timeout=300)
+    (path,) = server.outputs(entry, "latents")
+    return load_file(str(path))["latent_tensor"]
+
+
+@pytest.fixture(scope="module")
+def stream_server(tiny_base, comfyui_path):
+    server = ComfyServer(comfyui_path, tiny_base, python=sys.executable,
+                         env={"PARALLEL_WEIGHT_TRANSPORT": "process_group"}).start()
+    yield server
+    server.stop()
+
+
+def records_files(comfyui_path) -> bool:
+    return "cached_patcher_init" in (comfyui_path / "comfy" / "model_patcher.py").read_text()
+
+
+@pytest.mark.parametrize("sizes", [{"ulysses_size": 2, "tp_size": 1}, {"ulysses_size": 1, "tp_size": 2}],
+                         ids=["ulysses2", "tp2"])
+def test_workers_read_the_unpatched_weights_from_comfyuis_file(stream_server, tiny_prompt, comfyui_path, sizes):
+    from pathlib import Path
+
+    prompt = edited(tiny_prompt, ParallelConfig=sizes)
+    reference = final_latent(stream_server, remove_passthrough(prompt, "ShardTransformer", "model"))
+    result = final_latent(stream_server, prompt)
+    err = (result - reference).abs().max().item()
+    status = stream_server.get("/parallel/status")
+    send = status["last_weight_send"]
+    reads = send["file_reads"]
+    print(f"\n{sizes}: max abs err {err:.2e}; {reads}")
+    assert status["transport"] == "process_group" and err <= TOL
+    if records_files(Path(comfyui_path)):
+        # The demo's LoRAs (one before the node, one after) patch some tensors: those travel merged.
+        assert reads["file"] == "tiny_wan21_t2v.safetensors" and reads["tensors"] > 0
+        assert set(reads["why_streamed"]) == {PATCHED}, reads
+        assert reads["bytes_per_worker"][0] > 0
+    else:
+        assert reads["tensors"] == 0 and list(reads["why_streamed"]) == [
+            "this ComfyUI does not record the file a model came from (0.33 does), or a custom loader built it"]
+    load = status["ranks"][1]["load"]
+    assert load["via"] == "process_group" and load["done_bytes"] == load["total_bytes"] > 0
