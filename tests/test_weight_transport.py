@@ -75,7 +75,8 @@ def test_weights_resent_to_three_workers_when_their_version_changes(comfyui_path
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors(model))
         time.sleep(0.2)  # the workers publish their figures every 50 ms
         loads = [r["load"] for r in world.status()["ranks"]]
-        assert loads == [{"done_bytes": nbytes, "total_bytes": nbytes, "via": transport}] * 4, loads
+        assert [{k: v for k, v in load.items() if k != "file_read_bytes"} for load in loads] == \
+            [{"done_bytes": nbytes, "total_bytes": nbytes, "via": transport}] * 4, loads
     finally:
         world.shutdown("test done")
 
@@ -411,6 +412,24 @@ def test_workers_read_their_weights_from_the_checkpoint_and_the_rest_travels_wit
         time.sleep(0.2)
         load = world.status()["ranks"][1]["load"]
         assert load["done_bytes"] == load["total_bytes"] == world.status()["ranks"][1]["param_bytes"]
+        read = [r["load"]["file_read_bytes"] for r in world.status()["ranks"][1:]]
+        assert read == reads["bytes_per_worker"], read  # each worker read exactly its part, once
+
+        # A new version with the same patched tensors (what a LoRA strength change is): the workers
+        # keep what they read, only the patched tensor travels again.
+        model.blocks[1].ffn[0].weight.data.mul_(1.25)  # the patch's new merged values (patched: streamed)
+        source.number += 1
+        changed = run(world, model, args, source)
+        assert (changed - reference(model, args)).abs().max().item() <= 1e-5
+        assert (changed - out).abs().max().item() > 1e-4
+        time.sleep(0.2)
+        assert [r["load"]["file_read_bytes"] for r in world.status()["ranks"][1:]] == read  # nothing read again
+        held = world.holdings(model)
+        for rank in range(world.world_size):
+            coord = world.layout.coords(rank)["tp"]
+            shard = model if tp == 1 else build_shard(model, plan.tensor_parallel, coord, tp)
+            assert held[rank] == {n: tensor_digest(t) for n, t in named_tensors(shard)}, rank
+        out = changed
 
         monkeypatch.setenv("PARALLEL_FILE_READS", "0")
         source.number += 1

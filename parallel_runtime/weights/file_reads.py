@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import packed, quantized
+from ..distributed import comm
 
 SWITCH_ENV = "PARALLEL_FILE_READS"
 PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.")  # how checkpoint files name a model's keys
@@ -135,6 +136,29 @@ def read(handle, key: str, dtype: torch.dtype, cut, tp_rank: int, tp_size: int) 
     return cut.apply(handle.get_tensor(key).to(dtype), tp_rank, tp_size)
 
 
+class ReadBytes:
+    """Bytes this process read from checkpoint files, ever (the status route's ``file_read_bytes``)."""
+
+    def __init__(self):
+        self.total = 0
+
+
+READ_BYTES = ReadBytes()
+
+
+def reusable(held: dict, path: str, keys: dict, tp: tuple, slots: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Slots a worker already holds from the same file, key and TP coordinate (``held``: slot ->
+    (path, key, tp, tensor) of the model's previous version): a LoRA strength change re-reads
+    nothing but what it patches."""
+    found = {}
+    for index, key in keys.items():
+        old = held.get(int(index))
+        if old is not None and old[:3] == (path, key, tuple(tp)) and old[3].shape == slots[int(index)].shape \
+                and old[3].dtype == slots[int(index)].dtype:
+            found[int(index)] = old[3]
+    return found
+
+
 def read_into(path: str, keys: dict[int, str], entries, slots: list[torch.Tensor], tp: tuple[int, int],
               progress=None) -> None:
     """Fill ``slots[i]`` for every slot ``keys`` names from the file (a worker's side)."""
@@ -148,5 +172,7 @@ def read_into(path: str, keys: dict[int, str], entries, slots: list[torch.Tensor
             entry = entries[index]
             cut = entry.cut if tp_size > 1 else None
             slot.copy_(read(handle, key, entry.dtype, cut, tp_rank, tp_size))
+            comm.PROGRESS.tick()  # a long cold read is progress for rank 0's watchdog, not a hang
+            READ_BYTES.total += slot.numel() * slot.element_size()
             if progress is not None:
                 progress(slot.numel() * slot.element_size())

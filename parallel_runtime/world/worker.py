@@ -178,6 +178,7 @@ class _Server:
         self.mesh = ProcessMesh(MeshLayout.from_sizes(boot["mesh"]), self.rank, self.process_groups)
         self.meshes = {self.mesh.layout.sizes: self.mesh}  # every layout rank 0 formed groups for
         self.models: dict[str, tuple] = {}
+        self.read_slots: dict[str, dict] = {}  # model key -> slot -> (file, key, tp, tensor) read from the file
         self.heap_to_trim = False
         self._publish_progress()
         conn.send(("ready", self.rank))
@@ -192,8 +193,9 @@ class _Server:
             table = self.status_table
             if table is not None:
                 table[self.rank, field] = float(comm.PROGRESS.count)
-                table[self.rank, protocol.LOAD_FIELDS] = torch.tensor([float(stream.LOAD.done),
-                                                                       float(stream.LOAD.total)], dtype=torch.float64)
+                table[self.rank, protocol.LOAD_FIELDS] = torch.tensor(
+                    [float(stream.LOAD.done), float(stream.LOAD.total), float(file_reads.READ_BYTES.total)],
+                    dtype=torch.float64)
 
         def loop():
             while not stop.is_set():
@@ -229,6 +231,7 @@ class _Server:
         stops first: a reference it held would keep the table mapped past the release."""
         self.stop_progress()
         self.models.clear()
+        self.read_slots.clear()
         self.status_table = None
         gc.collect()
         comm.clear_pools()  # the staging pool's pinned buffers and the exchange's
@@ -249,6 +252,7 @@ class _Server:
         """A skeleton whose slots are allocated here, on this rank's device, at this rank's
         shape, then filled from rank 0's byte stream (weights/stream.py) and, for the slots
         ``reads`` names (``(path, {slot: key})``), from the checkpoint file (weights/file_reads.py)."""
+        held = self.read_slots.pop(key, {})  # what the old version read from the file, kept where unchanged
         self._drop(key)  # free the old copy before the new one takes device memory
         tp_rank, tp_size = tp
         entries = [stream.Entry.from_wire(item) for item in wire]
@@ -258,8 +262,15 @@ class _Server:
         stream.receive(entries, slots, link, self.device, tp_size, bucket_bytes)
         if reads is not None:
             path, keys = reads
-            file_reads.read_into(path, keys, entries, slots, tp, progress=stream.LOAD.add)
+            kept = file_reads.reusable(held, path, keys, tp, slots)
+            for index, tensor in kept.items():
+                slots[index] = tensor
+                stream.LOAD.add(tensor.numel() * tensor.element_size())
+            file_reads.read_into(path, {i: k for i, k in keys.items() if int(i) not in kept}, entries, slots, tp,
+                                 progress=stream.LOAD.add)
             comm.synchronize(self.device)
+            self.read_slots[key] = {int(i): (path, k, tuple(tp), slots[int(i)]) for i, k in keys.items()}
+        del held
         # Filled first: a tensor rebuilt around its slots may copy them (ComfyUI's QuantizedTensor).
         module = pickling.unpack_skeleton(data, slots)
         plan = plan_from_wire(plan_sent).for_module(module)
@@ -276,6 +287,7 @@ class _Server:
         self.conn.send(("loaded", key))
 
     def _drop(self, key: str) -> None:
+        self.read_slots.pop(key, None)
         if self.models.pop(key, None) is None:
             return
         gc.collect()

@@ -47,7 +47,7 @@ from ..layout import probe
 from ..layout.auto import AutoLayouts
 from ..parallel import compile_regions
 from ..parallel.heads import head_share, real_heads
-from ..weights import pickling, stream
+from ..weights import file_reads, pickling, stream
 from ..weights.model_copies import ModelCopies
 
 log = logging.getLogger("parallel")
@@ -423,7 +423,7 @@ class World(Dispatch):
                 gpu = protocol.device_memory(self.device)
                 peaks = memory.PEAKS.figures(self.device)  # peaks of the last prompt, staging pool (memory.PeakMemory)
                 compiling, compiles, recompiles, hits, misses = compile_regions.watch().row()
-                load = (stream.LOAD.done, stream.LOAD.total)
+                load = (stream.LOAD.done, stream.LOAD.total, file_reads.READ_BYTES.total)
             else:
                 w = self.workers[rank - 1]
                 if w.host is not None:
@@ -436,7 +436,7 @@ class World(Dispatch):
                 nbytes, forwards = int(row[1]), int(row[2])
                 gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
                 compiling, compiles, recompiles, hits, misses = row[protocol.COMPILE_FIELDS]
-                load = tuple(row[protocol.LOAD_FIELDS]) if len(row) >= protocol.LOAD_FIELDS.stop else (0, 0)
+                load = tuple(row[protocol.LOAD_FIELDS]) if len(row) >= protocol.LOAD_FIELDS.stop else (0, 0, 0)
                 peaks = figures_from_row(row)
                 peaks["device_weight_peak_bytes"] = None  # rank 0's figure (a worker holds only its copies: param_bytes)
                 # A CPU rank's row holds zeros there before its first report; a rank on another host
