@@ -58,3 +58,21 @@ def test_workers_read_the_unpatched_weights_from_comfyuis_file(stream_server, ti
             "this ComfyUI does not record the file a model came from (0.33 does), or a custom loader built it"]
     load = status["ranks"][1]["load"]
     assert load["via"] == "process_group" and load["done_bytes"] == load["total_bytes"] > 0
+
+
+def test_two_models_in_turn_stay_on_the_ranks(stream_server, tiny_prompt):
+    """Wan 2.2's way: a high-noise and a low-noise model, each behind its own Shard Transformer, in
+    one prompt. Run again (another seed), nothing is sent: the ranks hold both models until ComfyUI
+    unloads one; the latents equal the unsharded run's."""
+    from workflows import two_model_prompt
+
+    prompt = two_model_prompt(tiny_prompt, {"ulysses_size": 2}, {"ulysses_size": 2})
+    reference = final_latent(stream_server, remove_passthrough(prompt, "ShardTransformer", "model"))
+    assert (final_latent(stream_server, prompt) - reference).abs().max().item() <= 2 * TOL
+    sends = stream_server.get("/parallel/status")["weight_sends"]
+    again = edited(prompt, KSampler={"seed": 7}, KSamplerAdvanced={"noise_seed": 7})
+    final_latent(stream_server, again)
+    status = stream_server.get("/parallel/status")
+    print(f"\nweight sends: {sends} after the first prompt, {status['weight_sends']} after the second")
+    assert status["weight_sends"] == sends
+    assert status["ranks"][1]["param_bytes"] > status["ranks"][1]["load"]["total_bytes"] > 0  # both models
