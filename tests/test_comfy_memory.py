@@ -37,11 +37,22 @@ def test_the_version_follows_what_comfyui_changes_and_never_compares_tensors(mon
     v1 = WeightSource(lora, "diffusion_model.").version()
     assert v1 != v0
     assert WeightSource(lora_like(base, 0.3), "diffusion_model.").version() not in (v0, v1)  # a strength change
-    lora.model.model_lowvram, before = True, lora.model.model_lowvram
+    # What a partial unload changes on rank 0 (how much is loaded, the lowvram flag) leaves the values
+    # alone: no new version, nothing sent again.
+    model = lora.model
+    saved = (model.model_lowvram, getattr(model, "model_loaded_weight_memory", 0), model.lowvram_patch_counter)
+    model.model_lowvram, model.model_loaded_weight_memory, model.lowvram_patch_counter = True, 12345, 3
     try:
-        assert WeightSource(lora, "diffusion_model.").version() != v1  # lowvram: weights patched per forward
+        assert WeightSource(lora, "diffusion_model.").version() == v1
+        assert WeightSource(base, "diffusion_model.").version() == v0
+        # A patched layer that ComfyUI now patches at every forward (lowvram): its rounding path changes.
+        layer = model.diffusion_model.blocks[0].self_attn.v
+        layer.weight_function = [lambda w: w]
+        assert WeightSource(lora, "diffusion_model.").version() != v1
+        assert WeightSource(base, "diffusion_model.").version() == v0  # no patches: nothing can differ
+        del layer.weight_function
     finally:
-        lora.model.model_lowvram = before
+        model.model_lowvram, model.model_loaded_weight_memory, model.lowvram_patch_counter = saved
 
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor was compared")

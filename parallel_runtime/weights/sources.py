@@ -107,12 +107,23 @@ class WeightSource:
         return patcher
 
     def version(self) -> tuple:
-        """Changes whenever the values ``weight`` returns may change."""
+        """Changes whenever the values ``weight`` returns may change: the patch set, and which
+        patched tensors ComfyUI patches per forward (lowvram: its rounding path, not its merged
+        one). How much of the model ComfyUI keeps loaded on rank 0 changes nothing else, so a
+        partial unload sends nothing again."""
         patcher = self.patcher
-        model = patcher.model
-        return (str(patcher.patches_uuid), bool(getattr(model, "model_lowvram", False)),
-                int(getattr(model, "lowvram_patch_counter", 0)),
-                int(getattr(model, "model_loaded_weight_memory", 0)))
+        per_forward = tuple(sorted(key for key in patcher.patches if self._patched_per_forward(patcher.model, key)))
+        return (str(patcher.patches_uuid), per_forward)
+
+    @staticmethod
+    def _patched_per_forward(model, key: str) -> bool:
+        owner_path, _, leaf = key.rpartition(".")
+        owner = model
+        for part in owner_path.split(".") if owner_path else ():
+            owner = getattr(owner, part, None)
+            if owner is None:
+                return False
+        return bool(_patch_functions(owner, leaf))
 
     def packed_patches(self, name: str) -> list:
         """ComfyUI-GGUF's form of the patches of a packed tensor: ``[(patches, key)]``, applied by
