@@ -1,7 +1,7 @@
 """Which models the ranks of a world hold, and getting the weights there.
 
-A model reaches the workers once per *version*: ComfyUI's patch set and lowvram state
-(``sources.WeightSource.version``), cut for the layout's tensor-parallel size (layouts that
+A model reaches the workers once per *version*: ComfyUI's patch set and which patched tensors
+it patches per forward (``sources.WeightSource.version``), cut for the layout's tensor-parallel size (layouts that
 differ only in their context-parallel dimensions share it). A LoRA strength change gives a new
 version and a re-send; the same prompt again sends nothing. When ComfyUI unloads the model,
 ``release`` frees it on every rank.

@@ -9,7 +9,8 @@ so ``WeightSource.weight`` gives each tensor exactly as ComfyUI's forward would 
 the other ranks receive that, merged.
 
 ``WeightSource.version`` says when those values may have changed: it is made of what ComfyUI
-changes (the patcher's ``patches_uuid``, its lowvram state), never of tensor comparisons.
+changes (the patcher's ``patches_uuid``, which patched tensors it patches per forward), never of
+tensor comparisons.
 """
 from __future__ import annotations
 
