@@ -4,6 +4,7 @@ Measured as PSS (proportional set size: a shared page counts 1/n in each of the 
 processes mapping it), on a model large enough (1.2 GB in fp32) that the weights,
 not the Python and torch runtime of each process, dominate.
 """
+import json
 import sys
 
 import pytest
@@ -77,3 +78,40 @@ def test_the_first_prompt_on_a_big_model_costs_one_copy_of_the_weights(tmp_path,
             assert load_["done_bytes"] == load_["total_bytes"] == rank["param_bytes"] > 0, rank
         assert row["growth_ratio"] <= GROWTH_LIMIT, row
         assert row["peak_ratio"] <= PEAK_LIMIT, row
+
+
+@pytest.mark.parametrize("sizes", [{"ulysses_size": 2, "tp_size": 1}, {"ulysses_size": 1, "tp_size": 2}],
+                         ids=["ulysses2", "tp2"])
+def test_a_lora_strength_change_moves_only_the_patched_tensors(tiny_server, tiny_prompt, tiny_base, sizes):
+    """CPU ranks: after a strength change of the LoRA behind the node, the send copies into shared
+    memory only the tensors the demo's LoRAs patch (counted from the LoRA and model files); every
+    other tensor travels as a handle to the pages the ranks already map."""
+    from safetensors import safe_open
+
+    from workflows import edited, find_nodes
+
+    prompt = edited(tiny_prompt, ParallelConfig=sizes)
+    tiny_server.run(prompt, timeout=300)
+    (after,) = [n for n in find_nodes(prompt, "LoraLoaderModelOnly")
+                if prompt[n]["inputs"]["model"][0] in find_nodes(prompt, "ShardTransformer")]
+    loras = [prompt[n]["inputs"]["lora_name"] for n in find_nodes(prompt, "LoraLoaderModelOnly")]
+    changed = json.loads(json.dumps(prompt))
+    changed[after]["inputs"]["strength_model"] = 0.3
+    tiny_server.run(changed, timeout=300)
+    send = tiny_server.get("/parallel/status")["last_weight_send"]
+
+    models = tiny_base / "models"
+    targets = set()
+    for name in loras:
+        with safe_open(str(models / "loras" / name), framework="pt") as f:
+            targets |= {k[len("diffusion_model."):-len(".lora_up.weight")] + ".weight"
+                        for k in f.keys() if k.endswith(".lora_up.weight")}
+    unet = prompt[find_nodes(prompt, "UNETLoader")[0]]["inputs"]["unet_name"]
+    with safe_open(str(models / "diffusion_models" / unet), framework="pt") as f:
+        patched = sum(f.get_tensor(k).nbytes for k in targets)
+        total = sum(f.get_tensor(k).nbytes for k in f.keys())
+    print(f"\n{sizes}: the strength change copied {send['shared_bytes']} bytes; patched tensors {patched}, "
+          f"model {total}")
+    assert send["transport"] == "shared" and 0 < patched < total / 2
+    assert send["shared_bytes"] <= patched * 1.01 + (0.02 * total if sizes["tp_size"] > 1 else 0)
+    assert send["shared_bytes"] >= patched * 0.99 / max(1, sizes["tp_size"])

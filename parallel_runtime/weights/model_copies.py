@@ -181,6 +181,7 @@ class ModelCopies:
             self._copies.pop(module, None)  # rank 0's old shard goes before the new one is cut
             found.run_module = None
         started = time.perf_counter()
+        shared_before = pickling.SHARED_BYTES.total
         coords = [layout.coords(r)["tp"] for r in range(world.world_size)]
         if self.transport == "shared":
             run_module = self._send_shared(module, plan, source, key, tp, coords)
@@ -197,7 +198,10 @@ class ModelCopies:
         elapsed = time.perf_counter() - started
         self.sends += 1
         self.last_send = {"seconds": round(elapsed, 3), "transport": self.transport, "rank0_bytes": nbytes, "tp": tp,
-                          "file_reads": self.last_reads if self.transport != "shared" else None}
+                          "file_reads": self.last_reads if self.transport != "shared" else None,
+                          # shared: what this send copied into shared memory (the rest travelled as handles)
+                          "shared_bytes": pickling.SHARED_BYTES.total - shared_before if self.transport == "shared"
+                          else None}
         log.info("sent %s (%.1f MB on rank 0%s) to %d workers by %s in %.2fs", type(module).__name__, nbytes / 1e6,
                  f", tensor parallel {tp}" if tp > 1 else "", len(world.workers), self.transport, elapsed)
         return key, run_module

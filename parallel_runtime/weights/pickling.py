@@ -96,11 +96,23 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [t]
 
 
+class SharedBytes:
+    """Bytes this process moved into shared memory, ever: what a send to CPU ranks copied (a tensor
+    already shared travels as a handle, nothing copied)."""
+
+    def __init__(self):
+        self.total = 0
+
+
+SHARED_BYTES = SharedBytes()
+
+
 def _shared_cpu(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         raise RuntimeError(f"shared-memory transport got a tensor on {t.device}; accelerator weights travel "
                            "through the weight stream (weights/stream.py)")
     if not t.is_shared():
+        SHARED_BYTES.total += t.untyped_storage().nbytes()
         t.share_memory_()
     return t
 
