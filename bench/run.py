@@ -332,7 +332,7 @@ def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", default="quick",
                         choices=["smoke", "quick", "full", "vae", "memory", "gguf", "compile", "auto", "weighted",
-                                 "cache", "controlnet", "none"],
+                                 "cache", "controlnet", "load", "none"],
                         help="scenarios to run; 'none' with --peers runs only the peer comparison")
     parser.add_argument("--scenario", nargs="*", help="run these scenarios instead of a suite")
     parser.add_argument("--out", required=True, help="JSON-lines file for the records (appended)")
@@ -387,6 +387,14 @@ def main() -> int:
             f.write(json.dumps(record) + "\n")
 
     for round_ in range(1, opts.rounds + 1):
+        if opts.suite == "load":  # real ComfyUI servers, one per layout (bench/load.py)
+            import load
+
+            for record in load.run(load.comfyui_path("")):
+                write(record, round_)
+                print(f"[bench] load {record['layout']}: growth {record['growth_ratio']:.2f}x, peak "
+                      f"{record['peak_ratio']:.2f}x, first prompt {record['time_ratio']:.2f}x", file=sys.stderr)
+            continue
         for scenario in select(opts.suite, opts.scenario):
             print(f"[bench] {scenario.name}: {scenario.mode} {scenario.mesh} on {opts.device}, {scenario.tokens} tokens",
                   file=sys.stderr, flush=True)
