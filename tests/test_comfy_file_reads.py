@@ -75,4 +75,7 @@ def test_two_models_in_turn_stay_on_the_ranks(stream_server, tiny_prompt):
     status = stream_server.get("/parallel/status")
     print(f"\nweight sends: {sends} after the first prompt, {status['weight_sends']} after the second")
     assert status["weight_sends"] == sends
+    held = status["models"]  # each model, and which way its weights came
+    assert len(held) == 2 and len({m["key"] for m in held}) == 2
+    assert all(m["transport"] == "process_group" and m["file_reads"] is not None for m in held), held
     assert status["ranks"][1]["param_bytes"] > status["ranks"][1]["load"]["total_bytes"] > 0  # both models

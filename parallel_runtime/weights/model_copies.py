@@ -116,6 +116,7 @@ class _Copy:
     version: tuple
     run_module: torch.nn.Module | None  # rank 0's own shard (tensor parallel), else None: the module itself
     param_bytes: int
+    send: dict | None = None  # how its weights came: the send's figures (``last_send``), with the model's name
 
 
 class ModelCopies:
@@ -145,6 +146,10 @@ class ModelCopies:
     def own_param_bytes_rank0(self) -> int:
         """Rank 0's copies that are not ComfyUI's module itself (tensor-parallel shards)."""
         return sum(c.param_bytes for c in list(self._copies.values()) if c.run_module is not None)
+
+    def held(self) -> list[dict]:
+        """Every model the ranks hold now and how its weights came (the status route's ``models``)."""
+        return [dict(c.send) for c in list(self._copies.values()) if c.send is not None]
 
     def key_of(self, module: torch.nn.Module) -> str:
         return self._copies[module].key
@@ -193,8 +198,6 @@ class ModelCopies:
             world.expect(w, "loaded", deadline)
         comm.HOST.clear()  # the send's staging buffers (pinned with gloo on CUDA): a model's worth otherwise
         nbytes = pickling.param_bytes(run_module)
-        self._copies[module] = _Copy(key, version, run_module if run_module is not module else None, nbytes)
-        weakref.finalize(module, _release_key, weakref.ref(self), key)
         elapsed = time.perf_counter() - started
         self.sends += 1
         self.last_send = {"seconds": round(elapsed, 3), "transport": self.transport, "rank0_bytes": nbytes, "tp": tp,
@@ -202,6 +205,9 @@ class ModelCopies:
                           # shared: what this send copied into shared memory (the rest travelled as handles)
                           "shared_bytes": pickling.SHARED_BYTES.total - shared_before if self.transport == "shared"
                           else None}
+        self._copies[module] = _Copy(key, version, run_module if run_module is not module else None, nbytes,
+                                     {"key": key, "model": type(module).__name__, **self.last_send})
+        weakref.finalize(module, _release_key, weakref.ref(self), key)
         log.info("sent %s (%.1f MB on rank 0%s) to %d workers by %s in %.2fs", type(module).__name__, nbytes / 1e6,
                  f", tensor parallel {tp}" if tp > 1 else "", len(world.workers), self.transport, elapsed)
         return key, run_module

@@ -462,7 +462,7 @@ class World(Dispatch):
         return {"world_size": self.world_size, "mesh": mesh, "backend": self.config.backend,
                 "transport": self.copies.transport,
                 "transport_reason": self.copies.transport_reason, "last_weight_send": self.copies.last_send or None,
-                "weight_sends": self.copies.sends,
+                "weight_sends": self.copies.sends, "models": self.copies.held(),
                 "first_forward": self.first_forward, "probe": self.probe, "layout": self.config.layout,
                 "layouts": self.auto.status(), "notes": list(self.notes),
                 "state": self.state, "failure": self.failure, "forwards": self.forwards,
