@@ -3,6 +3,7 @@ or by IPC handles (one host without NCCL), forced with PARALLEL_WEIGHT_TRANSPORT
 point-to-point transfers (gloo on CUDA), forced with PARALLEL_FORCE_STAGING. Every rank runs
 the code a GPU runs; each result is compared with one process in fp32."""
 
+import os
 import time
 
 import pytest
@@ -246,12 +247,18 @@ def test_a_layer_class_setting_made_on_rank_0_reaches_the_workers(comfyui_path, 
         world.shutdown("test done")
 
 
-@pytest.mark.parametrize("transport,sizes", [("handles", dict(tp_size=2)), ("process_group", dict(ulysses_size=2))],
-                         ids=["tp2-handles", "ulysses2-process_group"])
+@pytest.mark.parametrize("transport,sizes", [("handles", dict(tp_size=2)), ("process_group", dict(ulysses_size=2)),
+                                             ("staged", dict(tp_size=2))],
+                         ids=["tp2-handles", "ulysses2-process_group", "tp2-staged"])
 def test_comfy_quantized_layouts_over_the_weight_stream(comfyui_path, monkeypatch, transport, sizes):
     """ComfyUI's QuantizedTensor (per-tensor fp8, as fp8 checkpoints load) over the accelerator
     weight stream: data and scale tensors travel as slots, and under TP each rank receives its
-    part (fp8 data cut, scale kept), against one process."""
+    part (fp8 data cut, scale kept), against one process. "staged": the process group staged
+    through the stream's pinned ring (gloo on GPU tensors)."""
+    if transport == "staged":
+        monkeypatch.setenv("PARALLEL_FORCE_STAGING", "1")
+        monkeypatch.setenv("PARALLEL_TEST_FAKE_PIN", "1")
+        transport = "process_group"
     import comfy.quant_ops
 
     from parallel_runtime.weights import quantized as comfy_quantized
@@ -439,3 +446,93 @@ def test_workers_read_their_weights_from_the_checkpoint_and_the_rest_travels_wit
         assert reads["tensors"] == 0 and reads["why_streamed"] == {"PARALLEL_FILE_READS=0": count}
     finally:
         world.shutdown("test done")
+
+
+STREAM_RANKS = r"""
+import json, os, sys, time
+import torch, torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, sys.argv[4])
+sys.path.insert(0, os.path.join(sys.argv[4], "tests"))
+from parallel_runtime.distributed import comm
+from parallel_runtime.weights import stream
+from parallel_runtime.weights.pickling import tensor_digest
+from stream_cases import stream_case
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+bucket_bytes = int(sys.argv[5])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+pins = []
+comm.HOST = comm._HostBuffers(pin=lambda n: pins.append(n) or comm.plain_host(n), pin_cpu=True)
+
+
+class Copies(TorchDispatchMode):
+    # bytes written by the ops that copy data (what rank 0 moves besides the collectives)
+    OPS = {"copy_", "cat", "clone", "_to_copy", "index", "contiguous"}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.OPS:
+            t = args[0] if func.overloadpacket.__name__ == "copy_" else out
+            self.bytes += t.numel() * t.element_size()
+        return out
+
+
+tensors, entries, tp, coords = stream_case(world)
+report = {"rank": rank}
+if rank == 0:
+    with Copies() as copies:
+        kept = stream.send(entries, lambda i: tensors[i], stream.ProcessGroupChannel(), "cpu", tp, coords,
+                           keep_coord=coords[0], bucket_bytes=bucket_bytes)
+    report["copied"] = copies.bytes
+    held = kept
+else:
+    held = stream.allocate(entries, tp, "cpu")
+    started = time.perf_counter()
+    stream.receive(entries, held, stream.ProcessGroupChannel(), "cpu", tp, bucket_bytes)
+    report["receive_s"] = time.perf_counter() - started
+report["held"] = [list(tensor_digest(t)) for t in held]
+report["pins"] = len(pins)
+report["buckets"] = len(stream.StreamLayout(entries, tp, bucket_bytes).ops)
+report["pinned_after"] = comm.HOST.pinned_bytes
+print("REPORT " + json.dumps(report), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_staged_weight_stream_pins_two_buffers_for_the_whole_send_and_rank_0_copies_each_byte_once():
+    """The weight stream over gloo with accelerator tensors (staging forced, pinning faked, as in the
+    workers of a GPU world sharing one device): three ranks of one gloo group run stream.send /
+    stream.receive on a model of many small buckets of changing sizes. Every rank pins exactly the
+    ring's two buffers for the whole send (the staging pool pinned a buffer per new size, evicting
+    and freeing as it went), none stays pinned after it, every rank holds exactly its cut of rank 0's
+    tensors (computed here in one process), and rank 0 writes each byte it sends once into its
+    buffers, plus its own TP slices once (it used to copy each broadcast bucket back into its own
+    source and its own TP slice into a throwaway tensor, besides a concatenated bucket).
+    PARALLEL_TEST_SLOW_LOAD_MS makes each worker's receive last that long per bucket."""
+    from conftest import run_gloo_ranks
+    from parallel_runtime.weights import stream
+    from stream_cases import stream_case
+
+    world, bucket_bytes = 3, 8192
+    env = {**os.environ, "PARALLEL_FORCE_STAGING": "1", "PARALLEL_TEST_FAKE_PIN": "1",
+           "PARALLEL_TEST_SLOW_LOAD_MS": "40"}
+    reports = run_gloo_ranks(STREAM_RANKS, world, str(bucket_bytes), env=env)
+    tensors, entries, tp, coords = stream_case(world)
+    layout = stream.StreamLayout(entries, tp, bucket_bytes)
+    for rank, report in enumerate(reports):
+        expected = [tensor_digest(t if e.cut is None else e.cut.apply(t, coords[rank], tp))
+                    for t, e in zip(tensors, entries)]
+        assert [(tuple(shape), dtype, sha) for shape, dtype, sha in report["held"]] == expected, rank
+    sent = sum(total if kind == "broadcast" else tp * total for kind, _, total in layout.ops)
+    own = sum(e.local_nbytes(tp) for e in entries if e.cut is not None)
+    print(f"\n{len(layout.ops)} buckets; pins per rank {[r['pins'] for r in reports]}; rank 0 copied "
+          f"{reports[0]['copied']} bytes for {sent} sent and {own} of its own slices")
+    assert len(layout.ops) >= 15
+    assert [r["pins"] for r in reports] == [2] * world
+    assert all(r["pinned_after"] == 0 for r in reports)
+    assert reports[0]["copied"] <= sent + own
+    assert all(r["receive_s"] >= 0.04 * len(layout.ops) for r in reports[1:])

@@ -55,9 +55,14 @@ def backend_of(group) -> str:
 
 def staged(group, tensor: torch.Tensor) -> bool:
     """Whether a collective of ``group`` on ``tensor`` must go through host buffers."""
+    return staged_on(group, tensor.device)
+
+
+def staged_on(group, device) -> bool:
+    """Whether collectives of ``group`` on ``device``'s tensors go through host buffers."""
     if staging_forced():
         return True
-    return tensor.device.type != "cpu" and backend_of(group) == "gloo"
+    return torch.device(device).type != "cpu" and backend_of(group) == "gloo"
 
 
 # ---------------------------------------------------------------- exposed communication
@@ -223,9 +228,10 @@ class _HostBuffers:
 
     Bounded: the pool keeps at most ``cap_bytes`` of free buffers (``PARALLEL_HOST_BUFFER_CAP_MB``,
     default 256 MiB) and ``KEEP_PER_SIZE`` per size, evicting the sizes released longest ago; a
-    buffer larger than the cap is never kept. A weight send stages 64 MiB buckets of ever-different
-    sizes, so ``clear()`` follows every send and a world's shutdown: what stays pinned is a
-    forward's working set, not a model's worth of buckets.
+    buffer larger than the cap is never kept. A weight stream's buckets (64 MiB, of ever-different
+    sizes) do not come here: they go through a ``StagingRing`` of their own, allocated here
+    (``outside_pool``) once per send. ``clear()`` follows every send and a world's shutdown: what
+    stays pinned is a forward's working set, not a model's worth of buckets.
 
     ``pinned_bytes``: buffers allocated through ``pin`` that are still alive (kept or in use); the
     pool counts them itself (torch's pinned allocator rounds each block up to a power of two and
@@ -267,7 +273,15 @@ class _HostBuffers:
 
     # -------------------------------------------------------- use
     def pins(self, like: torch.Tensor) -> bool:
-        return like.device.type == "cuda" or self.pin_cpu
+        return self.pins_for(like.device)
+
+    def pins_for(self, device) -> bool:
+        return torch.device(device).type == "cuda" or self.pin_cpu
+
+    def outside_pool(self, nbytes: int, device) -> torch.Tensor:
+        """A host buffer for ``device``'s staging (pinned as ``acquire`` would pin it) that the pool
+        never keeps: its owner holds it for a run of collectives (``StagingRing``) and drops it."""
+        return self._allocate(nbytes) if self.pins_for(device) else plain_host(nbytes)
 
     def acquire(self, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()
@@ -539,6 +553,62 @@ def scatter(t: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, 
     for h in host_list or ():
         HOST.release(h)
     _from_host(t, host)
+
+
+class StagingRing:
+    """A fixed ring of host buffers for a run of staged collectives (a weight stream's buckets over
+    gloo with accelerator tensors): ``count`` buffers of ``nbytes``, allocated (pinned where the
+    device is an accelerator) once, when the run starts, and reused in turn, so that no collective
+    of the run pins or unpins memory, whatever sizes its buckets have (the pool, ``HOST``, keeps
+    buffers per size: a stream's ever-different sizes would pin afresh and evict). Dropped with the
+    ring (its owner drops it at the run's end; ``HOST.clear()`` then hands the pages back).
+
+    Double-buffered: collective ``k`` runs on buffer ``k % count`` and is posted asynchronously, so
+    the caller fills buffer ``k + 1`` (rank 0: the next bucket) or reads buffer ``k - 1`` (a worker:
+    the last bucket into its slots) while ``k`` travels. ``buffer(k, n)`` waits for collective
+    ``k - count``, the last user of that buffer. The buffers are host tensors: gloo runs on them as
+    they are, nothing is staged again."""
+
+    def __init__(self, nbytes: int, device, count: int = 2, group=None):
+        self.group, self.count = group, count
+        self._buffers = [HOST.outside_pool(nbytes, device) for _ in range(count)]
+        self._pending: dict[int, Pending] = {}
+
+    def buffer(self, k: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of collective ``k``'s buffer, free to fill."""
+        self.wait(k - self.count)
+        return self._buffers[k % self.count][:nbytes]
+
+    def broadcast(self, k: int, buf: torch.Tensor, src: int) -> None:
+        self._pending[k] = Pending(_posted(dist.broadcast, buf, src=src, group=self.group, async_op=True))
+
+    def scatter(self, k: int, out: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int) -> None:
+        self._pending[k] = Pending(_posted(dist.scatter, out, scatter_list, src=src, group=self.group,
+                                           async_op=True))
+
+    def wait(self, k: int) -> None:
+        """Collective ``k`` done (its buffer holds what arrived; a sender may refill it)."""
+        pending = self._pending.pop(k, None)
+        if pending is not None:
+            pending.wait()
+
+    def close(self, wait: bool = True) -> None:
+        """Every collective done, the buffers dropped. ``wait=False`` (the run failed): the
+        collectives in flight are left to the process group (its work holds their buffers until it
+        ends) rather than waited for, which could block on a rank that is gone."""
+        if wait:
+            for k in sorted(self._pending):
+                self.wait(k)
+        self._pending.clear()
+        self._buffers = []
+
+
+def staging_ring(nbytes: int, device, count: int = 2, group=None) -> StagingRing | None:
+    """A ``StagingRing`` where collectives of ``group`` on ``device``'s tensors are staged, else None
+    (they run on device tensors as they are)."""
+    if not staged_on(group, device):
+        return None
+    return StagingRing(nbytes, device, count, group)
 
 
 class Pending:

@@ -12,7 +12,10 @@ Buckets are cut by a rule both sides apply to the shapes alone (``StreamLayout``
 collectives line up without sizes on the wire. Rank 0 computes each tensor as the forward
 would use it (``weight_of``: ComfyUI's patches applied) on its device, one tensor at a time:
 beside the weights, at most one bucket per rank exists on rank 0's device, and nothing is
-copied to host memory (unless gloo meets CUDA tensors: ``comm`` stages those).
+copied to host memory, unless gloo meets CUDA tensors: then both sides stage the buckets through
+a fixed pair of pinned host buffers allocated once per send (``comm.StagingRing``), rank 0 packing
+each bucket straight into one while the last travels from the other, a worker copying from one
+into its slots while the next arrives in the other.
 
 Two channels carry the buckets:
 
@@ -26,6 +29,8 @@ Two channels carry the buckets:
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -123,16 +128,25 @@ LOAD = LoadProgress()
 
 # ---------------------------------------------------------------- channels
 class ProcessGroupChannel:
-    """Buckets through the world's process group (rank 0 is the source)."""
+    """Buckets through the world's process group (rank 0 is the source).
+
+    Where the group's collectives are staged (gloo with accelerator tensors: several ranks sharing
+    one GPU), ``ring`` gives the stream a fixed pair of host buffers (``comm.StagingRing``) and the
+    buckets are packed into them and received from them directly; elsewhere (NCCL, CPU tensors)
+    they travel as device tensors."""
 
     shares_buckets = False  # a collective only reads the source bucket
+
+    def ring(self, nbytes: int, device) -> "comm.StagingRing | None":
+        return comm.staging_ring(nbytes, device)
 
     def send_broadcast(self, bucket: torch.Tensor) -> None:
         comm.broadcast(bucket, src=0)
 
     def send_scatter(self, payloads: list[torch.Tensor]) -> None:
-        own = torch.empty_like(payloads[0])
-        comm.scatter(own, payloads, src=0)
+        # Rank 0's own entry is received into itself (no tensor to throw away; NCCL's copy of a
+        # tensor onto itself is no copy).
+        comm.scatter(payloads[0], payloads, src=0)
 
     def recv_broadcast(self, nbytes: int, device) -> torch.Tensor:
         bucket = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -159,6 +173,9 @@ class HandleChannel:
     def __init__(self, send=None, confirm=None, conn=None):
         self._send, self._confirm, self._conn = send, confirm, conn
 
+    def ring(self, nbytes: int, device) -> None:
+        return None  # nothing is staged: each bucket is handed over where it is
+
     def send_broadcast(self, bucket: torch.Tensor) -> None:
         self._send(None, bucket)
         self._confirm()
@@ -183,6 +200,25 @@ class HandleChannel:
 
 
 # ---------------------------------------------------------------- both ends
+SLOW_LOAD_ENV = "PARALLEL_TEST_SLOW_LOAD_MS"  # tests: a worker sleeps that long after each bucket it receives
+
+
+def _ring_bytes(layout: StreamLayout, tp_size: int, source: bool) -> int:
+    """A ring buffer's size: the largest bucket, and on rank 0 a scatter's payload for every TP
+    coordinate."""
+    return max((total * (tp_size if kind == "scatter" and source else 1) for kind, _, total in layout.ops), default=0)
+
+
+def _ring(channel, nbytes: int, device) -> "comm.StagingRing | None":
+    """The channel's staging ring for this stream (a channel without one moves buckets as they are)."""
+    ring = getattr(channel, "ring", None)
+    return ring(nbytes, device) if ring is not None else None
+
+
+def _on(w: torch.Tensor, device) -> torch.Tensor:
+    return w if w.device == torch.device(device) else w.to(device)
+
+
 def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coords: list[int],
          keep_coord: int | None = None, bucket_bytes: int = BUCKET_BYTES) -> list[torch.Tensor] | None:
     """Rank 0's side. ``weight_of(i)`` gives entry i's tensor as the forward uses it;
@@ -191,70 +227,167 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
     kept: list[torch.Tensor | None] | None = [None] * len(entries) if keep_coord is not None else None
     layout = StreamLayout(entries, tp_size, bucket_bytes)
     LOAD.begin(layout.nbytes)
-    for kind, members, total in layout.ops:
-        if kind == "broadcast":
-            pieces = []
-            for i in members:
-                w = weight_of(i)
-                w = w if w.device == torch.device(device) else w.to(device)
-                pieces.append(_bytes(w))
-                if kept is not None:
-                    kept[i] = w
-            if len(pieces) > 1:
-                bucket = torch.cat(pieces)
+    ring = _ring(channel, _ring_bytes(layout, tp_size, source=True), device) if layout.ops else None
+    try:
+        for k, (kind, members, total) in enumerate(layout.ops):
+            if ring is not None:
+                _send_staged(ring, k, kind, members, total, entries, weight_of, device, tp_size, tp_coords,
+                             keep_coord, kept)
+            elif kind == "broadcast":
+                _send_broadcast(channel, members, weight_of, device, kept)
             else:
-                bucket = pieces[0].clone() if channel.shares_buckets else pieces[0]
-            channel.send_broadcast(bucket)
+                _send_scatter(channel, members, entries, weight_of, device, tp_size, tp_coords, keep_coord, kept)
             comm.PROGRESS.tick()
             LOAD.add(total)
-            del bucket, pieces
-            continue
-        per_coord: list[list[torch.Tensor]] = [[] for _ in range(tp_size)]
-        for i in members:
-            w = weight_of(i)
-            w = w if w.device == torch.device(device) else w.to(device)
-            for c in range(tp_size):
-                part = entries[i].cut.apply(w, c, tp_size)
-                per_coord[c].append(_bytes(part))
-                if kept is not None and c == keep_coord:
-                    kept[i] = part
-            del w
-        payload = [torch.cat(p) if len(p) > 1 else p[0] for p in per_coord]
-        channel.send_scatter([payload[c] for c in tp_coords])
-        comm.PROGRESS.tick()
-        LOAD.add(total)
-        del payload, per_coord
+    except BaseException:
+        if ring is not None:
+            ring.close(wait=False)
+        raise
+    if ring is not None:
+        ring.close()
     if kept is not None:
         for i, entry in enumerate(entries):
             if entry.from_file:
-                w = weight_of(i)
-                w = w if w.device == torch.device(device) else w.to(device)
+                w = _on(weight_of(i), device)
                 kept[i] = w if entry.cut is None else entry.cut.apply(w, keep_coord, tp_size)
     return kept
+
+
+def _send_broadcast(channel, members, weight_of, device, kept) -> None:
+    pieces = []
+    for i in members:
+        w = _on(weight_of(i), device)
+        pieces.append(_bytes(w))
+        if kept is not None:
+            kept[i] = w
+    if len(pieces) > 1:
+        bucket = torch.cat(pieces)
+    else:
+        bucket = pieces[0].clone() if channel.shares_buckets else pieces[0]
+    channel.send_broadcast(bucket)
+
+
+def _send_scatter(channel, members, entries, weight_of, device, tp_size, tp_coords, keep_coord, kept) -> None:
+    per_coord: list[list[torch.Tensor]] = [[] for _ in range(tp_size)]
+    for i in members:
+        w = _on(weight_of(i), device)
+        for c in range(tp_size):
+            part = entries[i].cut.apply(w, c, tp_size)
+            per_coord[c].append(_bytes(part))
+            if kept is not None and c == keep_coord:
+                kept[i] = part
+        del w
+    payload = [torch.cat(p) if len(p) > 1 else p[0] for p in per_coord]
+    channel.send_scatter([payload[c] for c in tp_coords])
+
+
+def _send_staged(ring, k, kind, members, total, entries, weight_of, device, tp_size, tp_coords, keep_coord,
+                 kept) -> None:
+    """Bucket ``k`` packed straight into its ring buffer (each byte copied once, device to host)
+    and posted; the next bucket is packed while it travels. A scatter's buffer holds one payload
+    per TP coordinate, and rank 0 receives its own entry into its own payload."""
+    copies = tp_size if kind == "scatter" else 1
+    buf = ring.buffer(k, total * copies)
+    offsets = [c * total for c in range(copies)]
+    for i in members:
+        w = _on(weight_of(i), device)
+        if kind == "broadcast":
+            parts = [w]
+            if kept is not None:
+                kept[i] = w
+        else:
+            cut = entries[i].cut
+            parts = []
+            for c in range(tp_size):
+                if kept is not None and c == keep_coord:
+                    part = kept[i] = cut.apply(w, c, tp_size)  # its own tensor (not a view of the full weight)
+                else:
+                    view = getattr(cut, "view", None)  # one strided view: copied from where it is
+                    part = view(w, c, tp_size) if view is not None else None
+                    part = cut.apply(w, c, tp_size) if part is None else part
+                parts.append(part)
+        for c, part in enumerate(parts):
+            offsets[c] = _copy_into(buf, offsets[c], part)
+        del w, parts
+    if kind == "broadcast":
+        ring.broadcast(k, buf, src=0)
+        return
+    payloads = list(buf.view(tp_size, total).unbind(0))
+    ring.scatter(k, payloads[tp_coords[0]], [payloads[c] for c in tp_coords], src=0)
+
+
+def _copy_into(buf: torch.Tensor, offset: int, t: torch.Tensor) -> int:
+    """``t``'s bytes into ``buf`` (uint8) at ``offset``, read where they are (a strided view too,
+    where the offset is aligned for its dtype); the offset after them."""
+    n = t.numel() * t.element_size()
+    region = buf[offset: offset + n]
+    if t.is_contiguous() or offset % t.element_size():
+        region.copy_(_bytes(t))
+    else:
+        region.view(t.dtype).view(t.shape).copy_(t)
+    return offset + n
 
 
 def receive(entries: list[Entry], slots: list[torch.Tensor], channel, device, tp_size: int,
             bucket_bytes: int = BUCKET_BYTES) -> None:
     """A worker's side: fill ``slots`` (allocated by ``allocate``) in the order rank 0 sends
-    (``LOAD`` counts the streamed bytes and what the worker reads from the file after)."""
+    (``LOAD`` counts the streamed bytes and what the worker reads from the file after).
+    Staged (``channel.ring``): bucket ``k + 1`` arrives in one ring buffer while bucket ``k`` is
+    copied from the other into its slots; no device bucket."""
     layout = StreamLayout(entries, tp_size, bucket_bytes)
     LOAD.begin(sum(e.local_nbytes(tp_size) for e in entries))
-    for kind, members, total in layout.ops:
-        bucket = channel.recv_broadcast(total, device) if kind == "broadcast" else channel.recv_scatter(total, device)
-        if bucket.numel() != total:
-            raise RuntimeError(f"weight stream: a bucket of {bucket.numel()} bytes arrived where {total} were expected")
-        offset = 0
-        for i in members:
-            dst = _bytes_view(slots[i])
-            dst.copy_(bucket[offset: offset + dst.numel()])
-            offset += dst.numel()
-        del bucket
-        channel.received()
-        comm.PROGRESS.tick()
-        LOAD.add(total)
+    slow = _slow_load_seconds()
+    ring = _ring(channel, _ring_bytes(layout, tp_size, source=False), device) if layout.ops else None
+
+    def post(k: int) -> None:
+        kind, _, total = layout.ops[k]
+        buf = ring.buffer(k, total)
+        if kind == "broadcast":
+            ring.broadcast(k, buf, src=0)
+        else:
+            ring.scatter(k, buf, None, src=0)
+
+    try:
+        if ring is not None:
+            post(0)
+        for k, (kind, members, total) in enumerate(layout.ops):
+            if ring is not None:
+                if k + 1 < len(layout.ops):
+                    post(k + 1)  # into the other buffer, emptied at the last step
+                ring.wait(k)
+                bucket = ring.buffer(k, total)
+            else:
+                bucket = channel.recv_broadcast(total, device) if kind == "broadcast" else \
+                    channel.recv_scatter(total, device)
+            if bucket.numel() != total:
+                raise RuntimeError(f"weight stream: a bucket of {bucket.numel()} bytes arrived where {total} were expected")
+            offset = 0
+            for i in members:
+                dst = _bytes_view(slots[i])
+                dst.copy_(bucket[offset: offset + dst.numel()])  # from the ring: done before it is reused
+                offset += dst.numel()
+            del bucket
+            channel.received()
+            comm.PROGRESS.tick()
+            LOAD.add(total)
+            if slow:
+                time.sleep(slow)
+    except BaseException:
+        if ring is not None:
+            ring.close(wait=False)
+        raise
+    if ring is not None:
+        ring.close()
     # The copies above are queued on the device: the worker says "loaded" (and rank 0 times the
     # send) only once they are done.
     comm.synchronize(device)
+
+
+def _slow_load_seconds() -> float:
+    try:
+        return max(0.0, float(os.environ.get(SLOW_LOAD_ENV, "") or 0) / 1000)
+    except ValueError:
+        return 0.0
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
