@@ -79,3 +79,33 @@ def test_two_models_in_turn_stay_on_the_ranks(stream_server, tiny_prompt):
     assert len(held) == 2 and len({m["key"] for m in held}) == 2
     assert all(m["transport"] == "process_group" and m["file_reads"] is not None for m in held), held
     assert status["ranks"][1]["param_bytes"] > status["ranks"][1]["load"]["total_bytes"] > 0  # both models
+
+
+def test_a_slow_cold_read_is_a_load_not_a_hang(tmp_path, comfyui_path, monkeypatch):
+    """Workers reading a checkpoint from a slow disk (a wait per tensor, 4 s in all) with a start-up
+    timeout of 1 s: the reads tick the world's progress, so rank 0 waits for them, and the result
+    equals the unsharded one."""
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import VersionedSource
+    from parallel_runtime.weights.shards import named_tensors
+    from test_weight_transport import TEXT_DIM, reference, run, start_world, wan_inputs
+    from tiny_models import TinyWan, build_wan_model
+
+    model = build_wan_model(TinyWan(dim=128, ffn_dim=256, num_layers=2), seed=6, text_dim=TEXT_DIM)
+    path = tmp_path / "slow.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    count = len(list(named_tensors(model)))
+    monkeypatch.setenv("PARALLEL_TEST_SLOW_FILE_READS_MS", str(int(4000 / count)))
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": "process_group"}, ulysses_size=2)
+    try:
+        world.startup_timeout = 1.0
+        args = wan_inputs(seed=3)
+        out = run(world, model, args, VersionedSource(str(path)))
+        assert world.copies.last_send["file_reads"]["tensors"] == count
+        assert world.copies.last_send["seconds"] > 3.0
+        assert (out - reference(model, args)).abs().max().item() <= 1e-5
+        assert torch.isfinite(out).all()
+    finally:
+        world.shutdown("test done")

@@ -20,6 +20,7 @@ route's ``last_weight_send``). ``PARALLEL_FILE_READS=0`` turns the reads off.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from . import packed, quantized
 from ..distributed import comm
 
 SWITCH_ENV = "PARALLEL_FILE_READS"
+SLOW_ENV = "PARALLEL_TEST_SLOW_FILE_READS_MS"  # tests: milliseconds a worker waits per tensor it reads (a cold disk)
 PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.")  # how checkpoint files name a model's keys
 
 
@@ -165,8 +167,11 @@ def read_into(path: str, keys: dict[int, str], entries, slots: list[torch.Tensor
     from safetensors import safe_open
 
     tp_rank, tp_size = tp
+    slow_s = float(os.environ.get(SLOW_ENV, "0") or 0) / 1e3
     with safe_open(path, framework="pt") as handle:
         for index, key in sorted(keys.items()):
+            if slow_s:
+                time.sleep(slow_s)
             index = int(index)
             slot = slots[index]
             entry = entries[index]

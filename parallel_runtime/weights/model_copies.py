@@ -195,7 +195,7 @@ class ModelCopies:
         sources.finish_offload(module)  # what the stream did not move (packed tensors, the shared path)
         deadline = time.monotonic() + world.startup_timeout
         for w in world.workers:
-            world.expect(w, "loaded", deadline)
+            world.expect(w, "loaded", deadline, patient=True)
         comm.HOST.clear()  # the send's staging buffers (pinned with gloo on CUDA): a model's worth otherwise
         nbytes = pickling.param_bytes(run_module)
         elapsed = time.perf_counter() - started

@@ -213,7 +213,11 @@ class World(Dispatch):
                 raise WorldStartError(f"ranks {sorted(pending)} did not connect within {settings.STARTUP_TIMEOUT_S:.0f}s")
             time.sleep(0.02)
 
-    def expect(self, w: _Worker, kind: str, deadline: float):
+    def expect(self, w: _Worker, kind: str, deadline: float, patient: bool = False):
+        """The next message of ``w``, which must be ``kind`` ("stats" reports are taken in passing).
+        ``patient``: while the world progresses (a worker reading a big checkpoint cold ticks its
+        progress per tensor) the deadline moves on by the start-up timeout: a long load is no hang."""
+        progress = self._progress() if patient else None
         while True:
             try:
                 msg = w.recv(0.05)
@@ -231,6 +235,8 @@ class World(Dispatch):
                 raise WorldStartError(f"rank {w.rank} answered {msg[0]!r} where {kind!r} was expected")
             if not w.alive:
                 raise WorkerFailure(self._death_report(w))
+            if patient and self._progress() != progress:
+                progress, deadline = self._progress(), time.monotonic() + self.startup_timeout
             if time.monotonic() > deadline:
                 raise WorkerFailure(f"rank {w.rank} did not answer within {settings.STARTUP_TIMEOUT_S:.0f}s")
 
