@@ -109,3 +109,50 @@ def test_a_slow_cold_read_is_a_load_not_a_hang(tmp_path, comfyui_path, monkeypat
         assert torch.isfinite(out).all()
     finally:
         world.shutdown("test done")
+
+
+def test_every_reason_to_stream_a_tensor_instead(tmp_path):
+    """file_reads.checkpoint_of and plan_reads, one case per reason they name: each tensor the file
+    cannot give exactly travels over the stream with its reason, the rest is read."""
+    import types
+
+    import torch
+    from safetensors.torch import save_file
+
+    from parallel_runtime.weights import file_reads
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(6, 4, generator=gen) for name in ("a", "b", "c", "d", "e")}
+    path = tmp_path / "m.safetensors"
+    save_file({"model.diffusion_model." + n: t for n, t in tensors.items() if n != "c"}
+              | {"model.diffusion_model.e": torch.randn(3, 4, generator=gen)}, str(path))
+    changed = tensors["d"].clone()
+    changed[0, 0] += 1.0  # the first sampled row differs from the file
+    slots = [(0, "a", tensors["a"], False),          # read
+             (1, "b", tensors["b"], True),           # patched
+             (2, "c", tensors["c"], False),          # not in the file under its name
+             (3, "d", changed, False),               # changed in place since the load
+             (4, "e", tensors["e"], False),          # another shape in the file
+             (5, None, torch.zeros(2), False)]       # no name (a tensor the module does not name)
+    plan = file_reads.plan_reads(str(path), "", slots)
+    assert plan.keys == {0: "model.diffusion_model.a"}
+    assert plan.why_streamed == {
+        "patched (a LoRA or another weight patch): sent merged": 1,
+        "not under its name in the file (converted keys, or built in memory)": 2,
+        "differs from the file (changed in place, or the file changed since the load)": 1,
+        "another shape in the file": 1}
+    assert file_reads.plan_reads(None, "why not", slots).why_streamed == {"why not": 6}
+
+    def patcher(*args):
+        return types.SimpleNamespace(cached_patcher_init=(print, args) if args else None)
+    assert file_reads.checkpoint_of(patcher(str(path), {})) == (str(path), "")
+    assert file_reads.checkpoint_of(patcher())[1].startswith("this ComfyUI does not record the file")
+    assert file_reads.checkpoint_of(patcher({}, {}))[1] == "the model's loader recorded no file path"
+    assert file_reads.checkpoint_of(patcher(str(tmp_path / "m.gguf"), {}))[1] == "m.gguf is not a .safetensors file"
+    gone = tmp_path / "gone.safetensors"
+    assert file_reads.checkpoint_of(patcher(str(gone), {}))[1] == f"{gone} is no longer there"
+    # A row of the file that differs only in a row the sample does not look at is not seen: the
+    # check is a sample (four rows of six), said in the module's docstring.
+    unseen = tensors["a"].clone()
+    unseen[2, 0] += 1.0  # rows 0, 1, 3 and 5 are sampled
+    assert file_reads.plan_reads(str(path), "", [(0, "a", unseen, False)]).keys == {0: "model.diffusion_model.a"}
