@@ -536,3 +536,36 @@ def test_the_staged_weight_stream_pins_two_buffers_for_the_whole_send_and_rank_0
     assert all(r["pinned_after"] == 0 for r in reports)
     assert reports[0]["copied"] <= sent + own
     assert all(r["receive_s"] >= 0.04 * len(layout.ops) for r in reports[1:])
+
+
+def test_a_staged_tp_send_of_many_buckets_pins_two_buffers_on_rank_0_and_every_rank_holds_its_slices(
+        comfyui_path, monkeypatch):
+    """The world's path with the ring (TP 2 over the process group, staging forced and pinning faked,
+    as gloo runs GPU tensors): a model of many small buckets pins rank 0's two ring buffers and
+    nothing else, and every rank holds exactly build_shard's slices of the unsharded model."""
+    from parallel_runtime.distributed import comm
+    from parallel_runtime.weights import stream as weight_stream
+
+    pins = []
+    monkeypatch.setattr(comm, "HOST", comm._HostBuffers(pin=lambda n: pins.append(n) or comm.plain_host(n),
+                                                        pin_cpu=True))
+    monkeypatch.setattr(weight_stream, "BUCKET_BYTES", 64 * 1024)
+    model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=8, text_dim=TEXT_DIM)
+    plan = find_plan(model)
+    args = wan_inputs(seed=3)
+    world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": "process_group",
+                                                    "PARALLEL_FORCE_STAGING": "1", "PARALLEL_TEST_FAKE_PIN": "1"},
+                        tp_size=2)
+    try:
+        pins.clear()  # the world's start (its probe's collectives) is not the send
+        world.copies.ensure(model, plan.for_module(model), VersionedSource())
+        nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors(model))
+        print(f"\nTP 2, {nbytes} bytes in buckets of 64 KiB: rank 0 pinned {len(pins)} buffers")
+        assert nbytes > 20 * 64 * 1024 and len(pins) == 2
+        held = world.holdings(model)
+        for rank in range(2):
+            expected = {n: tensor_digest(t) for n, t in named_tensors(build_shard(model, plan.tensor_parallel, rank, 2))}
+            assert held[rank] == expected, rank
+        assert (run(world, model, args) - reference(model, args)).abs().max().item() <= 1e-4
+    finally:
+        world.shutdown("test done")
