@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
 
 from . import packed, quantized
 from ..distributed import comm
@@ -95,8 +96,6 @@ def plan_reads(path: str | None, why_not: str, slots: list[tuple[int, str | None
     if path is None:
         plan.why_streamed[why_not] += len(slots)
         return plan
-    from safetensors import safe_open
-
     with safe_open(path, framework="pt") as handle:
         file_keys = set(handle.keys())
         prefix = _prefix([n for _, n, _, _ in slots if n], file_keys)
@@ -164,8 +163,6 @@ def reusable(held: dict, path: str, keys: dict, tp: tuple, slots: list[torch.Ten
 def read_into(path: str, keys: dict[int, str], entries, slots: list[torch.Tensor], tp: tuple[int, int],
               progress=None) -> None:
     """Fill ``slots[i]`` for every slot ``keys`` names from the file (a worker's side)."""
-    from safetensors import safe_open
-
     tp_rank, tp_size = tp
     slow_s = float(os.environ.get(SLOW_ENV, "0") or 0) / 1e3
     with safe_open(path, framework="pt") as handle:
