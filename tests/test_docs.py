@@ -84,7 +84,7 @@ def test_readme_links_every_docs_page():
 # ---------------------------------------------------------------- every figure has a stored file behind it
 RESULTS = REPO / "bench" / "results"
 # A measured figure: a number with a unit of time, speed, size or ratio, or an error like 6.0e-7.
-FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s?(?:ms|s|x|%|MB|GB|GiB|MiB|dB)\b|e-\d+)")
+FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s?(?:ms|s|min|minutes|x|%|KB|KiB|MB|GB|GiB|MiB|dB)\b|e-\d+)")
 FILE_NAME = re.compile(r"(?<![\w/.-])(?:\.\./)*"
                        r"((?:bench/results/)?(?:gpu_check_[\d-]+/)?[\w.-]+\.(?:jsonl|json|md|png))")
 
@@ -113,25 +113,101 @@ def test_every_results_file_named_in_readme_and_docs_is_stored():
     assert not missing, "\n".join(missing)
 
 
-def test_every_benchmark_table_and_figure_names_the_stored_file_it_comes_from():
-    """docs/benchmarks.md: each table names a stored results file in itself or in the text since the
-    previous table or heading, and each section that states a figure names one."""
-    blocks, unbacked, context = re.split(r"\n\s*\n", prose(REPO / "docs" / "benchmarks.md")), [], ""
-    for block in blocks:
+TEST_FILE = re.compile(r"(?<![\w.-])(?:tests/)?(test_\w+\.py)\b")
+
+# Figures that are inputs, not measurements, and so need no results file: the shape of a layout or a
+# machine ("Ulysses 2 x TP 2", "Ulysses-2 x Ring-2", "8 x H100", "2 x RTX 4090")...
+SHAPE = re.compile(r"(?i)\b(?:ulysses|ring|cfg|tp|usp|tensor parallel)[ -]\d+ x "
+                   r"|\b\d+ x (?=(?:H|L|A)\d|RTX\b)")
+# ...and, page by page, the exact phrases that state a default, a limit, a tolerance or a size the
+# pack or its tests set (not what a run measured). Each says why; a measured figure never goes here.
+INPUTS = {
+    "README.md": {
+        "32x VAE": "the model's name (its compression factor)",
+        "every 100 ms": "the watchdog's polling interval, a constant of the code",
+        "(1e-5 in process, 1e-4 through a ComfyUI server": "the tests' tolerances",
+    },
+    "docs/environment.md": {
+        "is 60 s later": "the margin the code adds to the collective timeout",
+        "over 32 MiB": "glibc's mmap threshold, a limit of the allocator",
+    },
+    "docs/status.md": {
+        "at most every 30 s": "how often the code reads smaps, a constant",
+        "of at most 128 KiB": "the request body's limit",
+    },
+    "docs/testing.md": {
+        "per 6 GiB": "the memory tools/test.sh allows a pytest worker, a setting",
+    },
+    "docs/gpu_check.md": {
+        "<= 5 s after": "the `big` part's target", "growth <= 1 GiB": "the `big` part's target",
+        "3x the tolerance": "the `features` part's criterion", "the 24 GB file": "the size of the model it writes",
+        "the 64 MiB a device call": "the device tool's limit", "30 s after a call": "the device tool's idle release",
+        "(30 s to a minute)": "the device tool's stated start time",
+        "15 to 30 minutes of device time": "the device tool's budget", "H100 80 GB": "the GPU's size",
+        "H200 141 GB": "the GPU's size", "In fp32: 1e-5 on CPU ranks, 1e-4 on a GPU": "the check's tolerances",
+    },
+    "docs/how_it_works.md": {
+        "in 64 MB buckets": "the weight stream's bucket size, a default",
+        "1.2 GB Wan-shaped model": "the size of the model the load benchmark builds",
+    },
+    "docs/layout_auto.md": {
+        "4 KiB and 4 MiB (64 MiB on CUDA)": "the message sizes the calibration sends",
+        "NVLink 450 GB/s or PCIe 4.0 32 GB/s": "published link bandwidths, the cost model's inputs",
+        "made 2x slower": "the slowdown the weighted benchmark applies",
+        "a 384 x 384 decode": "the image size the benchmark decodes",
+    },
+}
+# The README's GPU table is generated from the stored GPU-check results by tools/gpu_table.py, and
+# tests/test_gpu_check.py fails when it is stale: its figures are backed by construction.
+GENERATED = re.compile(r"<!-- gpu-table:begin.*?<!-- gpu-table:end -->", re.S)
+
+
+def _backs(text: str, tests_too: bool) -> bool:
+    return (any(is_stored(n) for n in results_files_named(text))
+            or tests_too and any((REPO / "tests" / n).is_file() for n in TEST_FILE.findall(text)))
+
+
+def unbacked_figures(doc: Path, tests_too: bool) -> list[str]:
+    """Each table that states a figure names a stored results file (or, with ``tests_too``, a test file
+    under tests/) in itself or in the text since the previous table or heading, and each section that
+    states a figure names one. Figures are what FIGURE finds once SHAPE and the page's INPUTS are cut."""
+    name = str(doc.relative_to(REPO))
+    text = GENERATED.sub("", prose(doc))
+    for phrase in INPUTS.get(name, {}):
+        text, found = re.subn(r"\s+".join(map(re.escape, phrase.split())), "", text)  # across line breaks
+        assert found, f"{name}: the allowance {phrase!r} no longer matches the page; drop it"
+    text = SHAPE.sub("", text)
+    unbacked, context = [], ""
+    for block in re.split(r"\n\s*\n", text):
         if block.lstrip().startswith("#"):
             context = ""
         if block.lstrip().startswith("|"):
-            if not any(is_stored(n) for n in results_files_named(context + block)):
-                unbacked.append(f"table: {block.strip().splitlines()[0][:100]}")
+            if FIGURE.search(block) and not _backs(context + block, tests_too):
+                unbacked.append(f"{name}: table {block.strip().splitlines()[0][:100]}")
             context = ""
         else:
             context += "\n" + block
-    sections = re.split(r"(?m)^(#{1,4} .*)$", prose(REPO / "docs" / "benchmarks.md"))
+    sections = re.split(r"(?m)^(#{1,4} .*)$", text)
     for heading, body in [("(top)", sections[0]), *zip(sections[1::2], sections[2::2])]:
         figures = FIGURE.findall(body)
-        if figures and not any(is_stored(n) for n in results_files_named(body)):
-            unbacked.append(f"section {heading}: {', '.join(figures[:5])}")
+        if figures and not _backs(body, tests_too):
+            unbacked.append(f"{name}: section {heading}: {', '.join(figures[:5])}")
+    return unbacked
+
+
+def test_every_benchmark_table_and_figure_names_the_stored_file_it_comes_from():
+    """docs/benchmarks.md: every figure is a benchmark's, so only a stored results file backs it."""
+    unbacked = unbacked_figures(REPO / "docs" / "benchmarks.md", tests_too=False)
     assert not unbacked, "figures without a stored results file named:\n" + "\n".join(unbacked)
+
+
+def test_every_figure_in_readme_and_docs_names_a_stored_file_or_a_test():
+    """README.md and every other docs page: a table or section with a measured figure (a time, a
+    speed-up, an error, a memory figure, a ratio) names the stored results file it comes from or the
+    test under tests/ that asserts it. An unstored observation is cut, not kept."""
+    unbacked = [line for doc in _documents() if doc.name != "benchmarks.md"
+                for line in unbacked_figures(doc, tests_too=True)]
+    assert not unbacked, "figures without a stored results file or a test named:\n" + "\n".join(unbacked)
 
 
 def test_the_readmes_gpu_timings_lie_within_the_stored_gpu_runs():
