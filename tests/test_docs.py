@@ -84,7 +84,7 @@ def test_readme_links_every_docs_page():
 # ---------------------------------------------------------------- every figure has a stored file behind it
 RESULTS = REPO / "bench" / "results"
 # A measured figure: a number with a unit of time, speed, size or ratio, or an error like 6.0e-7.
-FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s?(?:ms|s|min|minutes|x|%|KB|KiB|MB|GB|GiB|MiB|dB)\b|e-\d+)")
+FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s?(?:ms|s|min|minutes|x|%|KB|KiB|MB|GB|GiB|MiB|dB)(?!\w)|e-\d+)")
 FILE_NAME = re.compile(r"(?<![\w/.-])(?:\.\./)*"
                        r"((?:bench/results/)?(?:gpu_check_[\d-]+/)?[\w.-]+\.(?:jsonl|json|md|png))")
 
@@ -124,6 +124,7 @@ SHAPE = re.compile(r"(?i)\b(?:ulysses|ring|cfg|tp|usp|tensor parallel)[ -]\d+ x 
 INPUTS = {
     "README.md": {
         "32x VAE": "the model's name (its compression factor)",
+        "differ by more than 10 %": "layout auto's threshold for a weighted split (auto.UNEVEN_SPEEDS)",
         "every 100 ms": "the watchdog's polling interval, a constant of the code",
         "(1e-5 in process, 1e-4 through a ComfyUI server": "the tests' tolerances",
     },
@@ -224,3 +225,12 @@ def test_the_readmes_gpu_timings_lie_within_the_stored_gpu_runs():
     idles = [r["data"]["idle_s"] for r in rows if "idle_s" in r["data"]]
     assert (float(killed[1]), float(killed[2])) == (min(errors), max(errors)), errors
     assert float(idle[1]) == max(idles), idles
+
+
+def test_the_on_paper_table_is_the_scripts_output():
+    """docs/layout_auto.md's "On paper" block is what bench/paper_check.py prints: the cost model's
+    predictions from the stored published figures (bench/published_peers.json), not typed by hand."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "paper_check.py")], capture_output=True,
+                            text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in (REPO / "docs" / "layout_auto.md").read_text(), result.stdout
