@@ -64,8 +64,8 @@ def test_a_worker_releasing_its_models_empties_its_pool(monkeypatch):
     cycle(pool, MB)
     assert pool.pinned_bytes == MB
     sent = []
-    server = types.SimpleNamespace(models={}, status_table=None, conn=types.SimpleNamespace(send=sent.append), rank=1,
-                                   stop_progress=lambda: None)
+    server = types.SimpleNamespace(models={}, read_slots={}, status_table=None,
+                                   conn=types.SimpleNamespace(send=sent.append), rank=1, stop_progress=lambda: None)
     _Server.release(server)
     assert sent == [("released", 1)] and pool.pinned_bytes == 0 and pool.kept_bytes == 0
 
@@ -88,8 +88,8 @@ def test_cpu_exchange_buffers_are_reused_apart_from_the_staging_figures(monkeypa
     comm.release_exchange_buffer(again)
     comm.release_exchange_buffer(other)
     assert pool.kept_bytes == 2 * 24 * 4 and comm.HOST.kept_bytes == 0 and pool.pinned_total == 0
-    server = types.SimpleNamespace(models={}, status_table=None, conn=types.SimpleNamespace(send=lambda m: None), rank=1,
-                                   stop_progress=lambda: None)
+    server = types.SimpleNamespace(models={}, read_slots={}, status_table=None,
+                                   conn=types.SimpleNamespace(send=lambda m: None), rank=1, stop_progress=lambda: None)
     _Server.release(server)
     assert pool.kept_bytes == 0
 
