@@ -28,6 +28,7 @@ Two channels carry the buckets:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -215,6 +216,19 @@ def _ring(channel, nbytes: int, device) -> "comm.StagingRing | None":
     return ring(nbytes, device) if ring is not None else None
 
 
+@contextlib.contextmanager
+def _closing(ring: "comm.StagingRing | None"):
+    """Close the stream's ring after the block; after an error without waiting for what is in flight."""
+    try:
+        yield
+    except BaseException:
+        if ring is not None:
+            ring.close(wait=False)
+        raise
+    if ring is not None:
+        ring.close()
+
+
 def _on(w: torch.Tensor, device) -> torch.Tensor:
     return w if w.device == torch.device(device) else w.to(device)
 
@@ -228,7 +242,7 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
     layout = StreamLayout(entries, tp_size, bucket_bytes)
     LOAD.begin(layout.nbytes)
     ring = _ring(channel, _ring_bytes(layout, tp_size, source=True), device) if layout.ops else None
-    try:
+    with _closing(ring):
         for k, (kind, members, total) in enumerate(layout.ops):
             if ring is not None:
                 _send_staged(ring, k, kind, members, total, entries, weight_of, device, tp_size, tp_coords,
@@ -239,12 +253,6 @@ def send(entries: list[Entry], weight_of, channel, device, tp_size: int, tp_coor
                 _send_scatter(channel, members, entries, weight_of, device, tp_size, tp_coords, keep_coord, kept)
             comm.PROGRESS.tick()
             LOAD.add(total)
-    except BaseException:
-        if ring is not None:
-            ring.close(wait=False)
-        raise
-    if ring is not None:
-        ring.close()
     if kept is not None:
         for i, entry in enumerate(entries):
             if entry.from_file:
@@ -347,7 +355,7 @@ def receive(entries: list[Entry], slots: list[torch.Tensor], channel, device, tp
         else:
             ring.scatter(k, buf, None, src=0)
 
-    try:
+    with _closing(ring):
         if ring is not None:
             post(0)
         for k, (kind, members, total) in enumerate(layout.ops):
@@ -372,12 +380,6 @@ def receive(entries: list[Entry], slots: list[torch.Tensor], channel, device, tp
             LOAD.add(total)
             if slow:
                 time.sleep(slow)
-    except BaseException:
-        if ring is not None:
-            ring.close(wait=False)
-        raise
-    if ring is not None:
-        ring.close()
     # The copies above are queued on the device: the worker says "loaded" (and rank 0 times the
     # send) only once they are done.
     comm.synchronize(device)
