@@ -4,6 +4,7 @@ ComfyUI's loader recorded (ComfyUI 0.33 on), the LoRA-patched tensors travelling
 latents equal the unsharded run's; on a ComfyUI that records no file everything travels and the
 status says why."""
 import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -99,16 +100,27 @@ def test_a_slow_cold_read_is_a_load_not_a_hang(tmp_path, comfyui_path, monkeypat
     count = len(list(named_tensors(model)))
     monkeypatch.setenv("PARALLEL_TEST_SLOW_FILE_READS_MS", str(int(4000 / count)))
     world = start_world(comfyui_path, monkeypatch, {"PARALLEL_WEIGHT_TRANSPORT": "process_group"}, ulysses_size=2)
+    heard: list[list[float]] = []  # what each load's progress listener heard (ComfyUI's bar on a server)
+    world.on_load = lambda: heard.append([]) or heard[-1].append
     try:
         world.startup_timeout = 1.0
         args = wan_inputs(seed=3)
-        out = run(world, model, args, VersionedSource(str(path)))
+        source = VersionedSource(str(path))
+        out = run(world, model, args, source)
         assert world.copies.last_send["file_reads"]["tensors"] == count
         assert world.copies.last_send["seconds"] > 3.0
         assert (out - reference(model, args)).abs().max().item() <= 1e-5
         assert torch.isfinite(out).all()
+        run(world, model, args, source)  # held: nothing loads, nothing to tell
     finally:
         world.shutdown("test done")
+    # The load was told as it went: from the start (rank 0, which streams almost nothing here, is done
+    # first: a third) through the workers' reads, to 1.0 when every rank was done, never going back.
+    (fractions,) = heard
+    print(f"\nload progress heard: {[round(f, 2) for f in fractions]}")
+    assert len(fractions) >= 10 and fractions[-1] == 1.0
+    assert fractions == sorted(fractions)
+    assert fractions[0] < 0.75 and sum(fractions[0] < f < 1.0 for f in fractions) >= 5
 
 
 def test_every_reason_to_stream_a_tensor_instead(tmp_path):
@@ -156,3 +168,84 @@ def test_every_reason_to_stream_a_tensor_instead(tmp_path):
     unseen = tensors["a"].clone()
     unseen[2, 0] += 1.0  # rows 0, 1, 3 and 5 are sampled
     assert file_reads.plan_reads(str(path), "", [(0, "a", unseen, False)]).keys == {0: "model.diffusion_model.a"}
+
+
+@pytest.fixture(scope="module")
+def slow_load_server(tiny_base, comfyui_path):
+    """The stream with a slow link and a slow disk: a load of the tiny model takes seconds."""
+    server = ComfyServer(comfyui_path, tiny_base, python=sys.executable, log_path=tiny_base / "slow_load.log",
+                         env={"PARALLEL_WEIGHT_TRANSPORT": "process_group", "PARALLEL_TEST_SLOW_LOAD_MS": "1500",
+                              "PARALLEL_TEST_SLOW_FILE_READS_MS": "30"}).start()
+    yield server
+    server.stop()
+
+
+class Listener:
+    """ComfyUI's websocket messages to ``server``'s client, collected by a thread."""
+
+    def __init__(self, server):
+        import threading
+
+        import websocket
+
+        self.socket = websocket.create_connection(f"{server.url.replace('http', 'ws', 1)}/ws?clientId={server.client_id}",
+                                                  timeout=600)
+        self.messages: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        import json
+
+        while True:
+            try:
+                frame = self.socket.recv()
+            except Exception:
+                return
+            if isinstance(frame, str):
+                self.messages.append(json.loads(frame))
+
+    def progress(self, prompt_id: str, total: int) -> list[dict]:
+        return [m["data"] for m in list(self.messages)
+                if m["type"] == "progress" and m["data"].get("prompt_id") == prompt_id and m["data"]["max"] == total]
+
+
+LOAD_BAR = 100  # the load's bar counts percent (comfyui_glue/load_bar.py)
+
+
+def test_a_load_shows_in_comfyuis_progress_bar_and_a_cancel_during_it_is_kept(slow_load_server, tiny_prompt):
+    """A first prompt whose weights take seconds to reach the ranks: the sampler's node shows the
+    load in ComfyUI's progress bar (percent, rising to 100) before its first step. Cancel pressed
+    during the next load (another layout) is not swallowed by the bar's updates: the prompt ends
+    interrupted, and the ranks, which finished the load, serve the next prompt without loading again."""
+    from comfy_server import PromptFailed
+
+    server, listener = slow_load_server, Listener(slow_load_server)
+    sampler = next(i for i, node in tiny_prompt.items() if node["class_type"] == "KSampler")
+    steps = tiny_prompt[sampler]["inputs"]["steps"]
+    assert steps != LOAD_BAR
+    prompt_id = server.queue(edited(tiny_prompt, ParallelConfig={"ulysses_size": 2, "tp_size": 1}, KSampler={"seed": 71}))
+    server.wait(prompt_id, timeout=300)
+    load = listener.progress(prompt_id, LOAD_BAR)
+    first_step = listener.messages.index(next(m for m in listener.messages if m["type"] == "progress"
+                                              and m["data"].get("prompt_id") == prompt_id and m["data"]["max"] == steps))
+    print(f"\nload bar: {[d['value'] for d in load]}")
+    assert load and load[-1]["value"] == LOAD_BAR and any(0 < d["value"] < LOAD_BAR for d in load)
+    assert all(d["node"] == sampler for d in load)
+    assert max(i for i, m in enumerate(listener.messages) if m["type"] == "progress"
+               and m["data"] in load) < first_step
+    # Cancel during a load.
+    tp2 = edited(tiny_prompt, ParallelConfig={"ulysses_size": 1, "tp_size": 2}, KSampler={"seed": 72})
+    prompt_id = server.queue(tp2)
+    deadline = time.monotonic() + 120
+    while not any(0 < d["value"] < LOAD_BAR for d in listener.progress(prompt_id, LOAD_BAR)):
+        assert time.monotonic() < deadline, "no load progress seen"
+        time.sleep(0.05)
+    server.interrupt()
+    with pytest.raises(PromptFailed) as info:
+        server.wait(prompt_id, timeout=120)
+    assert any(m[0] == "execution_interrupted" for m in info.value.status.get("messages", []))
+    status = server.get("/parallel/status")
+    assert all(r["alive"] for r in status["ranks"])
+    sends = status["weight_sends"]
+    server.run(edited(tp2, KSampler={"seed": 73}), timeout=300)
+    assert server.get("/parallel/status")["weight_sends"] == sends

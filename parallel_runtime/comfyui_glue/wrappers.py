@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from . import interrupts
+from . import interrupts, load_bar  # noqa: F401  (load_bar: ComfyUI's progress bar during a load)
 from .patcher import note_patcher, source_of
 from ..config import ParallelConfig
 from ..distributed.mesh import MeshLayout

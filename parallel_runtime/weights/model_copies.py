@@ -188,14 +188,15 @@ class ModelCopies:
         started = time.perf_counter()
         shared_before = pickling.SHARED_BYTES.total
         coords = [layout.coords(r)["tp"] for r in range(world.world_size)]
-        if self.transport == "shared":
-            run_module = self._send_shared(module, plan, source, key, tp, coords)
-        else:
-            run_module = self._send_stream(module, plan, source, key, tp, coords)
-        sources.finish_offload(module)  # what the stream did not move (packed tensors, the shared path)
-        deadline = time.monotonic() + world.startup_timeout
-        for w in world.workers:
-            world.expect(w, "loaded", deadline, patient=True)
+        with world.loading():
+            if self.transport == "shared":
+                run_module = self._send_shared(module, plan, source, key, tp, coords)
+            else:
+                run_module = self._send_stream(module, plan, source, key, tp, coords)
+            sources.finish_offload(module)  # what the stream did not move (packed tensors, the shared path)
+            deadline = time.monotonic() + world.startup_timeout
+            for w in world.workers:
+                world.expect(w, "loaded", deadline, patient=True)
         comm.HOST.clear()  # the send's staging buffers (pinned with gloo on CUDA): a model's worth otherwise
         nbytes = pickling.param_bytes(run_module)
         elapsed = time.perf_counter() - started

@@ -108,14 +108,17 @@ def allocate(entries: list[Entry], tp_size: int, device) -> list[torch.Tensor]:
 class LoadProgress:
     """The weights this process is receiving (a worker) or sending (rank 0): bytes done of the
     model's total, for the status route's per-rank ``load`` (plain ints: one writer, readers
-    tolerate a stale value). Stays at done == total after a load, until the next."""
+    tolerate a stale value). Stays at done == total after a load, until the next; ``loads`` counts
+    the loads begun, so a reader tells the next load's bytes from the last one's."""
 
     def __init__(self):
         self.done = 0
         self.total = 0
+        self.loads = 0
 
     def begin(self, total: int) -> None:
         self.done, self.total = 0, int(total)
+        self.loads += 1
 
     def add(self, nbytes: int) -> None:
         self.done = min(self.total, self.done + int(nbytes))

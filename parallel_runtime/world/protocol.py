@@ -42,16 +42,18 @@ PATCH_KEYS = ("optimized_attention_override",)
 STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "progress", "gpu_allocated", "gpu_reserved",
                  "compiling", "compiles", "recompiles", "compile_cache_hits", "compile_cache_misses",
                  "gpu_peak_allocated", "gpu_peak_reserved", "rss_peak", "uss_peak", "host_pinned", "host_kept",
-                 "load_done", "load_total", "file_read_bytes")
+                 "load_done", "load_total", "file_read_bytes", "loads")
 COMPILE_FIELDS = slice(6, 11)  # compile_regions.CompileWatch.row()
 MEMORY_FIELDS = slice(11, 17)  # the fields above from gpu_peak_allocated on, memory.PeakMemory.row()
-LOAD_FIELDS = slice(17, 20)    # weights.stream.LOAD's bytes done and total; weights.file_reads.READ_BYTES
+# weights.stream.LOAD's bytes done and total, weights.file_reads.READ_BYTES, and LOAD.loads (which
+# load the bytes belong to: world/load_progress.py)
+LOAD_FIELDS = slice(17, 21)
 
 
-def load_status(done: float, total: float, read: float, via: str) -> dict | None:
-    """A rank's ``load`` in the status route: the last model's weights, bytes done of the total,
-    and the way they travel (the world's transport), and every byte this rank ever read from
-    checkpoint files; None before any load."""
+def load_status(done: float, total: float, read: float, loads: float, via: str) -> dict | None:
+    """A rank's ``load`` in the status route (from its ``LOAD_FIELDS``): the last model's weights,
+    bytes done of the total, and the way they travel (the world's transport), and every byte this
+    rank ever read from checkpoint files; None before any load."""
     if total <= 0:
         return None
     return {"done_bytes": int(done), "total_bytes": int(total), "via": via, "file_read_bytes": int(read)}

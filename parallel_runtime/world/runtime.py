@@ -28,6 +28,7 @@ class Runtime:
         self.comfyui_path: str | None = None  # None: found from the imported comfy package
         self.first_step_check: dict | None = None  # the last first-step check's findings (comfyui_glue)
         self.block_cache = None  # () -> Block Cache's steps per prompt (comfyui_glue.cached_steps.counts)
+        self.on_load = None  # () -> a listener of a weight load's progress (comfyui_glue.load_bar: ComfyUI's bar)
 
     def world_for(self, config: ParallelConfig):
         with self._lock:
@@ -46,7 +47,7 @@ class Runtime:
                 if lost is not None:  # this prompt fails; the next one starts fresh workers
                     raise WorkerFailure(lost)
             log.info("starting parallel world: %s", config.describe())
-            self._world = World(config, comfyui_path=self.comfyui_path).start()
+            self._world = World(config, comfyui_path=self.comfyui_path, on_load=self.on_load).start()
             return self._world
 
     @property

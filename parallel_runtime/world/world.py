@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import memory, protocol, settings
+from . import load_progress, memory, protocol, settings
 from .cluster import listener_for, split_address
 from .dispatch import Dispatch
 from .memory import device_type, figures_from_row, recent_process_memory, with_current
@@ -61,8 +61,10 @@ RUNTIME_PACKAGE = __package__.rpartition(".")[0]
 class World(Dispatch):
     """One running set of ranks for one ParallelConfig."""
 
-    def __init__(self, config: ParallelConfig, comfyui_path: str | None = None, comfy_args: dict | None = None):
+    def __init__(self, config: ParallelConfig, comfyui_path: str | None = None, comfy_args: dict | None = None,
+                 on_load=None):
         self.config = config
+        self.on_load = on_load  # () -> a listener of one load's progress (load_progress.watching)
         self.layout = MeshLayout.from_sizes(config.mesh_sizes)
         self.world_size = config.world_size
         self.comfyui_path = comfyui_path or _guess_comfyui_path()
@@ -418,6 +420,23 @@ class World(Dispatch):
         ulysses = self.current_layout.coords(rank)["ulysses"]
         return {"real": real_heads(local, sizes["ulysses"])[ulysses], "attended": head_share(local, sizes["ulysses"])}
 
+    def _row_of(self, w: _Worker) -> list[float]:
+        """``w``'s status row: from the shared table, or on another host its last report (read, not
+        drained: any thread may ask)."""
+        row = w.stats if w.host is not None else None
+        if row is None:
+            table = self._status_table
+            row = table[w.rank].tolist() if table is not None else [0.0] * len(STATUS_FIELDS)
+        return row
+
+    def load_rows(self) -> list[tuple[float, ...]]:
+        """Every rank's ``protocol.LOAD_FIELDS``, rank 0 first."""
+        return [_own_load()] + [_load_of(self._row_of(w)) for w in self.workers]
+
+    def loading(self):
+        """The block sends a model to the ranks: ``on_load`` hears how far (load_progress.py)."""
+        return load_progress.watching(self.load_rows, self.on_load)
+
     def status(self) -> dict:
         ranks = []
         table = self._status_table
@@ -429,20 +448,18 @@ class World(Dispatch):
                 gpu = protocol.device_memory(self.device)
                 peaks = memory.PEAKS.figures(self.device)  # peaks of the last prompt, staging pool (memory.PeakMemory)
                 compiling, compiles, recompiles, hits, misses = compile_regions.watch().row()
-                load = (stream.LOAD.done, stream.LOAD.total, file_reads.READ_BYTES.total)
+                load = _own_load()
             else:
                 w = self.workers[rank - 1]
                 if w.host is not None:
                     w.drain()
                 alive, device = w.alive, w.device
-                row = w.stats if w.host is not None else None
-                if row is None:
-                    row = table[rank].tolist() if table is not None else [0.0] * len(STATUS_FIELDS)
+                row = self._row_of(w)
                 last_ms = row[0] if row[2] > 0 else None
                 nbytes, forwards = int(row[1]), int(row[2])
                 gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
                 compiling, compiles, recompiles, hits, misses = row[protocol.COMPILE_FIELDS]
-                load = tuple(row[protocol.LOAD_FIELDS]) if len(row) >= protocol.LOAD_FIELDS.stop else (0, 0, 0)
+                load = _load_of(row)
                 peaks = figures_from_row(row)
                 peaks["device_weight_peak_bytes"] = None  # rank 0's figure (a worker holds only its copies: param_bytes)
                 # A CPU rank's row holds zeros there before its first report; a rank on another host
@@ -480,6 +497,16 @@ def _pickled_shared(t: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(t)
     return buf.getvalue()
+
+
+def _own_load() -> tuple[float, ...]:
+    """Rank 0's ``protocol.LOAD_FIELDS``."""
+    return stream.LOAD.done, stream.LOAD.total, file_reads.READ_BYTES.total, stream.LOAD.loads
+
+
+def _load_of(row: list[float]) -> tuple[float, ...]:
+    """A worker's ``protocol.LOAD_FIELDS`` from its status row (zeros from a row without them)."""
+    return tuple(row[protocol.LOAD_FIELDS]) if len(row) >= protocol.LOAD_FIELDS.stop else (0.0,) * 4
 
 
 def _guess_comfyui_path() -> str:
