@@ -4,11 +4,14 @@ whatever the message's length), tiny sharded prompts run from the page in worlds
 ranks, and the Parallel sidebar tab while they run: every figure inside the panel, none cut off
 or hidden, in the dark and the light theme; the memory bars and step-time sparklines drawn and
 changing; the mesh drawn as its groups; layout auto's predictions beside the measured step; a
-loading bar per rank while weights load. Leaves screenshots in out/browser/."""
+loading bar per rank while a real weight load, slowed, is under way. Leaves screenshots in
+out/browser/."""
 import json
 import os
 import re
+import sys
 import time
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -64,8 +67,10 @@ def close_dialogs(driver):
 
 
 def open_front_end(browser, server):
-    if browser.execute_script("return !!(window.app && window.app.extensions && window.app.extensions.some("
-                              "e => e.name === 'hybrid_parallel.status_panel'))"):
+    # Already there: this server's page (the browser may have shown another server's) with the pack.
+    if urlsplit(browser.current_url).netloc == urlsplit(server.url).netloc and browser.execute_script(
+            "return !!(window.app && window.app.extensions && window.app.extensions.some("
+            "e => e.name === 'hybrid_parallel.status_panel'))"):
         return
     # A first visit opens the template browser over the canvas; this user has seen it.
     server.post("/settings/Comfy.TutorialCompleted", True)
@@ -385,29 +390,11 @@ def test_front_end(browser, tiny_server):
     assert_panel_fits(browser, "2 ranks, light, second prompt")
     screenshot(browser, "parallel_panel_light.png")
 
-    # Weights loading: a progress bar per rank with bytes and the way they travel, from each rank's
-    # `load` field (a stand-in status answers it here); none where nothing loads.
-    loads = [{"done_bytes": 3 * 2**20, "total_bytes": 13 * 2**20, "via": "shared"},
-             {"done_bytes": 9 * 2**20, "total_bytes": 13 * 2**20, "via": "process_group"}]
+    # GPU ranks (a stand-in status: this machine has none; the loading bars come from a real load,
+    # test_loading_progress): allocated and reserved against the card's memory as ComfyUI's
+    # /system_stats gives it, with the peak marked.
+    set_theme(browser, "dark")
     try:
-        for theme in ("light", "dark"):
-            set_theme(browser, theme)
-            bars = show_loading(browser, loads)
-            assert [b["rank"] for b in bars] == [0, 1], bars
-            for bar, load in zip(bars, loads):
-                shown = re.search(r"([\d.]+) MB / ([\d.]+) MB", bar["text"])
-                assert f"via {load['via']}" in bar["text"] and shown, bar
-                assert abs(float(shown[1]) - load["done_bytes"] / 2**20) < 0.51, bar
-                assert abs(float(shown[2]) - load["total_bytes"] / 2**20) < 0.51, bar
-                assert abs(bar["fraction"] - load["done_bytes"] / load["total_bytes"]) < 0.02, bar
-            assert_panel_fits(browser, f"loading, {theme}")
-            screenshot(browser, f"parallel_panel_loading_{theme}.png")
-        # Done, or no field: no bar.
-        assert show_loading(browser, [{"done_bytes": 5, "total_bytes": 5, "via": "shared"}, None]) == []
-        assert show_loading(browser, [{}, {}]) == []
-
-        # GPU ranks (a stand-in: this machine has none): allocated and reserved against the card's
-        # memory as ComfyUI's /system_stats gives it, with the peak marked.
         gib = 2**30
         gpus = [{"device": f"cuda:{i}", "gpu_allocated_bytes": (10 + 20 * i) * gib, "gpu_reserved_bytes": (16 + 20 * i) * gib,
                  "gpu_peak_allocated_bytes": (12 + 20 * i) * gib, "gpu_peak_reserved_bytes": (18 + 20 * i) * gib,
@@ -442,7 +429,7 @@ def test_front_end(browser, tiny_server):
 def stand_in(browser, ranks, system_stats=None):
     """From now on the page reads the real status with ``ranks[i]``'s fields put into rank i's
     (the ranks past the list's end as they are), and ``system_stats`` for /system_stats if given:
-    figures a CPU run has not (a GPU, a load under way) drawn by the real panel."""
+    figures a CPU run has not (a GPU) drawn by the real panel."""
     browser.execute_script("""
         window.__realFetch = window.__realFetch || window.fetch;
         const [ranks, stats] = arguments;
@@ -458,16 +445,108 @@ def stand_in(browser, ranks, system_stats=None):
     time.sleep(2.2)  # two polls
 
 
-def show_loading(browser, loads):
-    """The panel drawn with ``loads`` as the ranks' ``load`` fields (left as the runtime answers
-    past the list's end); its loading bars."""
-    stand_in(browser, [{"load": load} for load in loads])
-    return browser.execute_script(f"""
-        return Array.from({PANEL}.querySelectorAll('.hp-rank .hp-load')).map(l => {{
-            const track = l.querySelector('.hp-track'), fill = l.querySelector('.hp-fill');
-            return {{rank: +l.closest('.hp-rank').dataset.rank, text: l.innerText,
-                     fraction: fill.getBoundingClientRect().width / track.getBoundingClientRect().width}};
-        }});""")
+# Weights loading for real: a server whose worker ranks get their weights the way GPU ranks do
+# (the stream over the world's process group, not CPU shared memory), each worker waiting this
+# long after every bucket it receives (weights/stream.py's PARALLEL_TEST_SLOW_LOAD_MS). Under tensor
+# parallelism 2 the tiny Wan streams as two buckets (the replicated tensors, then each rank's
+# slices; on ComfyUI 0.33 only the LoRA-patched tensors stream and the workers read the rest from
+# the checkpoint after): for about this long after the first bucket a worker holds part of its
+# weights. Long enough for both themes' checks and screenshots on a busy 2-core machine (they take
+# about a second on an idle one, the page reads the status every second); the load takes about
+# twice this on ComfyUI 0.3.75 (two buckets), once on 0.33.
+SLOW_LOAD_MS = 4000
+
+# The loading bars the panel draws: rank, text, the figures it drew from, and the fill's fraction.
+LOAD_BARS = f"""
+return Array.from({PANEL}.querySelectorAll('.hp-rank .hp-load')).map(l => {{
+    const track = l.querySelector('.hp-track'), fill = l.querySelector('.hp-fill');
+    return {{rank: +l.closest('.hp-rank').dataset.rank, text: l.innerText, done: +l.dataset.done,
+             total: +l.dataset.total,
+             fraction: fill.getBoundingClientRect().width / track.getBoundingClientRect().width}};
+}});"""
+QUEUED = "return fetch('/queue').then(r => r.json()).then(q => q.queue_running.length + q.queue_pending.length)"
+
+
+@pytest.fixture(scope="module")
+def slow_load_server(tiny_base, comfyui_path):
+    from comfy_server import ComfyServer
+
+    server = ComfyServer(comfyui_path, tiny_base, python=sys.executable, log_path=tiny_base / "comfyui_slow_load.log",
+                         env={"PARALLEL_WEIGHT_TRANSPORT": "process_group",
+                              "PARALLEL_TEST_SLOW_LOAD_MS": str(SLOW_LOAD_MS)}).start()
+    yield server
+    server.stop()
+
+
+def loading_everywhere(bars, ranks) -> bool:
+    """Every one of ``ranks`` shows a bar part-way: some bytes there, not all."""
+    shown = {b["rank"]: b for b in bars}
+    return all(r in shown and 0 < shown[r]["done"] < shown[r]["total"] for r in ranks)
+
+
+@pytest.mark.smoke
+def test_loading_progress(browser, slow_load_server):
+    """A sharded prompt's first weight load, slowed, watched in the Parallel tab: while the worker
+    ranks receive their weights, a bar per rank with bytes done of the total and the way they
+    travel, drawn from the status route's real ``load`` figures, inside the panel in both themes
+    (screenshots); gone once the load is done."""
+    server = slow_load_server
+    open_front_end(browser, server)
+    set_theme(browser, "light")
+    load_and_configure(browser, *sharded_workflow(4244, 1, ulysses_size=1, tp_size=2))
+    open_panel(browser)
+    assert browser.execute_script(LOAD_BARS) == [], "a loading bar before any load"
+    workers = [1]
+    started = time.monotonic()
+    browser.execute_script("app.queuePrompt(0)")
+    # The world starts (its worker processes import torch), ComfyUI loads the model, then the
+    # weights travel: generous on a busy machine.
+    while not loading_everywhere(bars := browser.execute_script(LOAD_BARS), workers):
+        waited = time.monotonic() - started
+        assert waited < 300, f"no loading bars after {waited:.0f}s: {bars}"
+        if waited > 10 and browser.execute_script(QUEUED) == 0:
+            raise AssertionError(f"the prompt ended and no rank showed a load part-way: {bars}, "
+                                 f"{[r['load'] for r in server.get('/parallel/status')['ranks']]}")
+        time.sleep(0.2)
+    print(f"\nloading bars after {time.monotonic() - started:.1f}s: {[b['text'] for b in bars]}")
+    status = {r["rank"]: r["load"] for r in server.get("/parallel/status")["ranks"]}
+    for bar in bars:
+        # What the rank reports: the same load (its total), as far or further by now.
+        load = status[bar["rank"]]
+        assert load and load["via"] == "process_group" and load["total_bytes"] == bar["total"], (bar, load)
+        assert bar["done"] <= load["done_bytes"], (bar, load)
+        shown = re.search(r"via (\w+): ([\d.]+) MB / ([\d.]+) MB \((\d+)%\)", bar["text"])
+        assert shown and shown[1] == "process_group", bar
+        assert abs(float(shown[2]) - bar["done"] / 2**20) <= 0.51, bar
+        assert abs(float(shown[3]) - bar["total"] / 2**20) <= 0.51, bar
+        assert abs(int(shown[4]) - 100 * bar["done"] / bar["total"]) <= 0.51, bar
+        assert abs(bar["fraction"] - bar["done"] / bar["total"]) < 0.02, bar
+    # No GPU bar on these CPU ranks, not even while a worker's status row holds zeros there (before
+    # its first report, all through its first load).
+    assert browser.execute_script(f"""return Array.from({PANEL}.querySelectorAll('.hp-rank')).filter(c =>
+        c.querySelector('.hp-device').textContent === 'cpu'
+        && c.querySelector('.hp-mem[data-kind=gpu]')).length""") == 0
+    for theme in ("light", "dark"):
+        set_theme(browser, theme)
+        assert_panel_fits(browser, f"loading, {theme}")
+        screenshot(browser, f"parallel_panel_loading_{theme}.png")
+        # Still part-way after the screenshot: the picture shows the load.
+        after = browser.execute_script(LOAD_BARS)
+        assert loading_everywhere(after, workers), \
+            (f"the load ended before the {theme} screenshot ({time.monotonic() - started:.1f}s after queueing; "
+             f"SLOW_LOAD_MS too short for this machine?)", after)
+    print(f"screenshots taken {time.monotonic() - started:.1f}s after queueing")
+
+    # Done: no bar once the prompt ran (the figures stay at done = total).
+    wait_for(browser, QUEUED.replace(".length)", ".length === 0)"), 300, "the prompt to finish")
+    wait_for(browser, f"return {PANEL}.querySelectorAll('.hp-rank').length === 2 "
+                      f"&& {PANEL}.querySelectorAll('.hp-load').length === 0", 30, "the loading bars to go")
+    print(f"prompt done {time.monotonic() - started:.1f}s after queueing")
+    ranks = server.get("/parallel/status")["ranks"]
+    assert all(r["load"]["via"] == "process_group" and r["load"]["done_bytes"] == r["load"]["total_bytes"] > 0
+               for r in ranks), ranks
+    assert "loading weights" not in browser.execute_script(f"return {PANEL}.innerText")
+    assert_panel_fits(browser, "loaded, dark")
 
 
 # 4 ranks under layout auto (its predictions beside the measured step), 8 as cfg 2 x ring 2 x

@@ -83,6 +83,11 @@ async function readCapacity(status) {
   }
 }
 
+// GPU figures, where the rank has them. Never on a CPU rank: a worker's status row holds zeros there
+// until its first report (during its first weight load, say), and ComfyUI lists the CPU among its
+// devices with the machine's RAM, which would draw a "GPU" bar against it.
+const hasGpu = (r) => r.gpu_allocated_bytes != null && !/^cpu(:|$)/.test(r.device || "");
+
 // The memory a rank's device holds, where ComfyUI's /system_stats lists that device.
 function gpuCapacity(r) {
   const m = /^([a-z]+)(?::(\d+))?$/.exec(r.device || "");
@@ -205,7 +210,7 @@ function rankCard(r, ctx) {
     + `${hostPeak != null ? `, peak ${fmtBytes(hostPeak)} RSS` : ""}`,
     [{ value: hostNow, cls: "hp-fill-host" }], hostPeak,
     (r.host == null || r.host === "local") ? capacity.ramTotal : null, ctx.hostMax)];
-  if (r.gpu_allocated_bytes != null) {
+  if (hasGpu(r)) {
     bars.push(memoryBar("gpu", `GPU ${fmtBytes(r.gpu_allocated_bytes)} / ${fmtBytes(r.gpu_reserved_bytes)} reserved`
       + (r.gpu_peak_reserved_bytes != null ? `, peak ${fmtBytes(r.gpu_peak_reserved_bytes)}` : ""),
     [{ value: r.gpu_reserved_bytes, cls: "hp-fill-reserved" }, { value: r.gpu_allocated_bytes, cls: "hp-fill-gpu" }],
@@ -218,7 +223,7 @@ function rankCard(r, ctx) {
     ["memory (PSS)", fmtMB(r.pss_bytes ?? r.rss_bytes)],
     ["peak RSS / USS", r.rss_peak_bytes == null && r.uss_peak_bytes == null ? "–"
       : `${fmtMB(r.rss_peak_bytes)} / ${fmtMB(r.uss_peak_bytes)}`],
-    ["GPU alloc / reserved", r.gpu_allocated_bytes == null ? "–"
+    ["GPU alloc / reserved", !hasGpu(r) ? "–"
       : `${fmtMB(r.gpu_allocated_bytes)} / ${fmtMB(r.gpu_reserved_bytes)}`
         + (r.gpu_peak_allocated_bytes == null ? "" : ` (peak ${fmtMB(r.gpu_peak_allocated_bytes)} / ${fmtMB(r.gpu_peak_reserved_bytes)})`)],
     ["pinned / kept", `${fmtMB(r.host_pinned_bytes)} / ${fmtMB(r.host_kept_bytes)}`],
@@ -263,7 +268,7 @@ function render(root, status) {
   const ctx = {
     stepMax, slow,
     hostMax: Math.max(0, ...ranks.map((r) => Math.max(r.pss_bytes ?? r.rss_bytes ?? 0, r.rss_peak_bytes ?? 0))),
-    gpuMax: Math.max(0, ...ranks.map((r) => Math.max(r.gpu_reserved_bytes ?? 0, r.gpu_peak_reserved_bytes ?? 0))),
+    gpuMax: Math.max(0, ...ranks.filter(hasGpu).map((r) => Math.max(r.gpu_reserved_bytes ?? 0, r.gpu_peak_reserved_bytes ?? 0))),
   };
   const links = status.probe?.links;
   const line = (cls, text) => el("div", { className: cls, textContent: text });
@@ -279,8 +284,8 @@ function render(root, status) {
       `Block Cache, last prompt: ${c.computed} steps computed, ${c.cached} cached`)),
   ]);
   const scale = el("div", { className: "hp-legend hp-spark-scale",
-    textContent: `step time, last ${HISTORY} steps seen, every rank on one scale: 0 to ${fmtMs(stepMax > 1e-6 ? stepMax : null)}`
-      + (slow.size ? `; slow: rank ${[...slow].join(", ")}` : "") });
+    textContent: (stepMax > 1e-6 ? `step time, last ${HISTORY} steps seen, every rank on one scale: 0 to ${fmtMs(stepMax)}`
+      : "step time: no step seen yet") + (slow.size ? `; slow: rank ${[...slow].join(", ")}` : "") });
   const failure = status.last_failure
     ? [line("hp-failure", `last failure: ${status.last_failure.message.split("\n")[0]}`)] : [];
   root.replaceChildren(header, ...meshPicture(status, slow), ...layoutPicture(status),
