@@ -13,12 +13,12 @@ from ..parallel_runtime.comfyui_glue.patcher import Sharding, sharded_patcher
 from ..parallel_runtime.comfyui_glue.wrappers import (DIFFUSION_MODEL, OUTER_SAMPLE, WRAPPER_KEY, ShardedForward,
                                                       ShardedModelForward, ShardedRun, forward_method)
 from ..parallel_runtime.config import ConfigError, ParallelConfig
-from ..parallel_runtime.plans import check_plan_matches, find_plan, supported_models_text
-from ..parallel_runtime.plans.base import PlanMismatch
+from ..parallel_runtime.plans import find_plan, supported_models_text
+from ..parallel_runtime.plans.vocabulary.matching import PlanMismatch
 from ..parallel_runtime.world.runtime import RUNTIME
 from ..parallel_runtime.layout.refusal import plan_refusal
 from ..parallel_runtime.parallel.model_patches import refuse_unknown as refuse_unknown_patches
-from ..parallel_runtime.plans.patches import PatchRefused
+from ..parallel_runtime.plans.vocabulary.patches import PatchRefused
 from ..parallel_runtime.weights.shards import shard_nbytes
 from ..parallel_runtime.comfyui_glue.first_step_check import FirstStep, requested
 from ..parallel_runtime.comfyui_glue.user_plans import fingerprint as user_plans_fingerprint, plan_folders
@@ -41,7 +41,7 @@ def check_model(diffusion_model, config: ParallelConfig):
                           "(docs/user_plans.md)" + "".join(f"; {error}" for error in broken))
     plan = plan.for_module(diffusion_model)
     try:
-        check_plan_matches(diffusion_model, plan)  # built the way the plan was written for, or refused now
+        plan.check_matches(diffusion_model)  # built the way the plan was written for, or refused now
     except PlanMismatch as exc:
         raise ConfigError(f"{NODE}: {exc}") from exc
     why = plan_refusal(diffusion_model, plan, config.mesh_sizes)  # the one check layout auto reads too

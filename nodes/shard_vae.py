@@ -15,7 +15,7 @@ from ..parallel_runtime.comfyui_glue.patcher import Sharding, sharded_patcher
 from ..parallel_runtime.comfyui_glue.wrappers import ShardedFirstStage
 from ..parallel_runtime.config import ConfigError, HostDevices, ParallelConfig, config_from_inputs
 from ..parallel_runtime.world.runtime import RUNTIME
-from ..parallel_runtime.parallel.vae_bands import check_vae
+from ..parallel_runtime.plans import check_vae
 from .host import host_devices
 from .parallel_config import ParallelConfigType
 

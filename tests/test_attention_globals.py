@@ -10,7 +10,7 @@ import torch
 from conftest import PACK, cpu_world
 from families import available
 from parallel_runtime.plans import find_plan
-from parallel_runtime.plans.base import PlanMismatch
+from parallel_runtime.plans.vocabulary.matching import PlanMismatch
 
 pytestmark = [pytest.mark.multirank,
               pytest.mark.skipif(not available("comfy.ldm.ernie.model"), reason="ERNIE-Image exists from ComfyUI 0.33 on")]

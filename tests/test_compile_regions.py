@@ -47,9 +47,8 @@ def test_guard_filter_skips_values_in_transformer_options_but_not_what_runs():
 
 def test_every_transformer_plan_names_regions():
     for plan in PLANS:
-        if plan.kind == "transformer":
-            regions = region_patterns(plan)
-            assert regions and all(p.endswith("*") for p in regions), plan.family
+        regions = region_patterns(plan)
+        assert regions and all(p.endswith("*") for p in regions), plan.family
 
 
 def _counting_hook(calls, name):

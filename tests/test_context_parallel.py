@@ -260,7 +260,7 @@ def test_a_table_of_spans_is_cut_to_each_ranks_chunk():
     the ranks' parts cover every token of every span exactly once, whatever the split."""
     from parallel_runtime.parallel.attention import SequenceParallel
     from parallel_runtime.parallel.context_parallel import ForwardContext
-    from parallel_runtime.plans.base import Split
+    from parallel_runtime.plans.vocabulary.context_parallel import Split
 
     total = 23
     rows = torch.arange(100, 112)

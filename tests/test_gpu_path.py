@@ -194,7 +194,7 @@ def test_a_decode_longer_than_the_collective_timeout_completes_while_the_ranks_p
     1 s, a decode of several seconds whose ranks keep completing collectives finishes, exact."""
     from conftest import cpu_world
     from parallel_runtime.world import settings as world_module
-    from parallel_runtime.plans.vae import check_vae
+    from parallel_runtime.plans import check_vae
     from vae_cases import VAES
 
     monkeypatch.setattr(world_module, "COLLECTIVE_TIMEOUT_S", 1.0)

@@ -185,6 +185,6 @@ def test_the_graph_is_read():
     """The reader itself: known arrows of the code are found (a reader that found none would pass the rest)."""
     graph = _graph()
     assert "parallel_runtime.distributed.comm" in graph["parallel_runtime.parallel.attention"]
-    assert "parallel_runtime.plans.tensor_parallel" in graph["parallel_runtime.weights.quantized"]
+    assert "parallel_runtime.plans.vocabulary.tensor_parallel" in graph["parallel_runtime.weights.quantized"]
     assert "parallel_runtime.world.dispatch" in graph["parallel_runtime.world.world"]
     assert len(MODULES) > 40

@@ -96,7 +96,7 @@ def test_an_undeclared_patch_class_is_refused_by_name():
             return kwargs
 
     options = {"patches": {"double_block": [SomeoneElsesPatch()]}}
-    with pytest.raises(from_pack.plans.patches.PatchRefused) as info:
+    with pytest.raises(from_pack.plans.vocabulary.patches.PatchRefused) as info:
         from_pack.parallel.model_patches.encode(options, plans.qwen_image.PLAN, torch.zeros(1, 16, 1, 8, 8))
     message = str(info.value)
     assert f"{__name__}.test_an_undeclared_patch_class_is_refused_by_name.<locals>.SomeoneElsesPatch" in message
@@ -106,9 +106,8 @@ def test_an_undeclared_patch_class_is_refused_by_name():
 
 def test_a_patch_on_a_hook_the_model_plan_does_not_describe_is_refused():
     from_pack = PACK.parallel_runtime
-    patches = from_pack.plans.patches
-    fake = type("DiffSynthCnetPatch", (), {"__module__": patches.NODES})()  # the declared class's name
-    with pytest.raises(patches.PatchRefused, match=r"\['noise_refiner'\] of Qwen-Image"):
+    fake = type("DiffSynthCnetPatch", (), {"__module__": from_pack.plans.model_patches.NODES})()  # a declared class
+    with pytest.raises(from_pack.plans.vocabulary.patches.PatchRefused, match=r"\['noise_refiner'\] of Qwen-Image"):
         from_pack.parallel.model_patches.encode({"patches": {"noise_refiner": [fake]}},
                                                 from_pack.plans.qwen_image.PLAN, None)
 

@@ -165,7 +165,7 @@ def test_a_change_in_place_is_seen():
     """Rank 0 tells what a forward changed by identity and by contents: a tensor changed in place, an
     attribute set anew or added, a list appended to; a tensor read or replaced by itself is no change."""
     from_pack = PACK.parallel_runtime
-    spec = from_pack.plans.patches.PatchPlan(classes=("x.Patch",), title="A patch", tokens="whole", state=("kept",))
+    spec = from_pack.plans.vocabulary.patches.PatchPlan(classes=("x.Patch",), title="A patch", tokens="whole", state=("kept",))
 
     class Patch:
         pass

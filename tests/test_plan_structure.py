@@ -4,14 +4,24 @@ was written for is refused, naming the family and the ComfyUI release, instead o
 Two ways a release can change a model under a plan, both simulated on a tiny Wan: a block that
 no longer takes an argument the plan cuts (refused when the node checks the model), and a block
 that is called with an argument the plan does not know (refused at that call, on rank 0, before
-the block computes with it)."""
+the block computes with it).
+
+Plans are typed by what they describe (transformer, text encoder, VAE, a patch's model): no type
+carries a field only another type uses, and no code decides on a plan's kind."""
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import PACK, cpu_world
 from families import available
 from parallel_runtime.plans import find_plan
-from parallel_runtime.plans.base import PlanMismatch, comfyui_release
+from parallel_runtime.plans.vocabulary.matching import PlanMismatch, comfyui_release
+from parallel_runtime.plans.vocabulary.plan import Plan
+from parallel_runtime.plans.vocabulary.vae import VaePlan
 from tiny_models import TinyWan, build_wan_model
 
 pytestmark = pytest.mark.multirank
@@ -93,3 +103,71 @@ def test_an_absolute_token_position_is_refused_by_name(runtime):
     print(f"\n{message[-600:]}")
     assert "Krea 2: blocks.0 (SingleStreamBlock) was called with 'timestep_zero_index'" in message
     assert "Refused rather than computing a wrong result" in message
+
+
+# ---------------------------------------------------------------- plans typed by what they describe
+RUNTIME = Path(__file__).resolve().parent.parent / "parallel_runtime"
+ENGINE_SOURCES = {path: path.read_text() for folder in (RUNTIME, RUNTIME.parent / "nodes")
+                  for path in sorted(folder.rglob("*.py"))}
+KIND_WORDS = {"transformer", "vae", "encoder", "text_encoder", "patch"}
+
+
+def plan_types() -> list[type]:
+    found, todo = [], [Plan]
+    while todo:
+        cls = todo.pop()
+        found += cls.__subclasses__()
+        todo += cls.__subclasses__()
+    return found
+
+
+def unused_fields(cls: type, sources: dict) -> list[str]:
+    """Fields ``cls`` declares (not its parent) that no module naming ``cls`` reads (``.field``): a
+    field read only where another plan type is handled is a stand-in this type carries for it."""
+    parent = {f.name for f in dataclasses.fields(cls.__mro__[1])} if dataclasses.is_dataclass(cls.__mro__[1]) else set()
+    reads = set()
+    for text in sources.values():
+        if re.search(rf"\b{cls.__name__}\b", text):
+            reads |= {n.attr for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Attribute)
+                      and isinstance(n.ctx, ast.Load)}
+    return [f.name for f in dataclasses.fields(cls) if f.name not in parent and f.name not in reads]
+
+
+def kind_decisions(text: str, path: str = "") -> list[str]:
+    """Where code compares a plan's kind (``plan.kind``, or a kind word like "vae") or tells plan
+    types apart with isinstance (user plan files excepted: that is checking what a user wrote)."""
+    names = {cls.__name__ for cls in plan_types()}
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            kind = [p for p in parts if isinstance(p, ast.Attribute) and p.attr == "kind" and "plan" in ast.unparse(p)]
+            words = [p for p in ast.walk(node) if isinstance(p, ast.Constant) and p.value in KIND_WORDS]
+            if kind or words:
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+                and names & {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                and not path.endswith("vocabulary/user.py")):
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_plan_type_carries_a_field_it_does_not_use():
+    types = plan_types()
+    assert {"TransformerPlan", "TextEncoderPlan", "VaePlan", "PatchModelPlan"} <= {t.__name__ for t in types}
+    unused = {t.__name__: unused_fields(t, ENGINE_SOURCES) for t in types}
+    assert not any(unused.values()), f"plan fields nothing reads for their type: {unused}"
+    assert all("kind" not in {f.name for f in dataclasses.fields(t)} for t in types)
+
+    # The check itself: a VAE plan carrying a transformer's field (the stand-in of old) is found.
+    spare = dataclasses.make_dataclass("SpareVaePlan", [("heads_attr", str, "decoder.ch")], bases=(VaePlan,),
+                                       frozen=True)
+    assert unused_fields(spare, ENGINE_SOURCES) == ["heads_attr"]
+
+
+def test_no_module_decides_on_a_plan_kind():
+    found = [hit for path, text in ENGINE_SOURCES.items() for hit in kind_decisions(text, str(path))]
+    assert not found, "code that decides on a plan's kind (ask the plan instead):\n" + "\n".join(found)
+    assert kind_decisions('if plan.kind == "transformer":\n    pass\n')  # the check itself finds one
+    assert kind_decisions('if kind in ("vae", "encoder"):\n    pass\n')
+    assert kind_decisions('if isinstance(plan, VaePlan):\n    pass\n')

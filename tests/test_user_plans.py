@@ -137,13 +137,13 @@ def test_a_broken_plan_file_is_named_when_the_model_finds_no_plan(tiny_server, p
 
 def _build(text: str):
     from parallel_runtime.plans import _BY_FAMILY, PLANS
-    from parallel_runtime.plans.user import build
+    from parallel_runtime.plans.vocabulary.user import build
 
     return build(text, "/plans/test.py", set(_BY_FAMILY), {c: p.family for p in PLANS for c in p.classes})
 
 
 def test_a_plan_file_may_not_take_a_built_in_family_or_class():
-    from parallel_runtime.plans.user import UserPlanError
+    from parallel_runtime.plans.vocabulary.user import UserPlanError
 
     text = documented_plan()
     with pytest.raises(UserPlanError, match="'wan' is a built-in plan's"):
@@ -152,13 +152,13 @@ def test_a_plan_file_may_not_take_a_built_in_family_or_class():
         _build(text.replace('"*user_plan_model.model.TinyUserDiT"', '"comfy.ldm.wan.model.WanModel"'))
     with pytest.raises(UserPlanError, match="sets neither PLAN"):
         _build("X = 1")
-    with pytest.raises(UserPlanError, match="user plans are for transformers"):
-        _build(text.replace('title="Tiny user DiT",', 'title="Tiny user DiT", kind="encoder",'))
+    with pytest.raises(UserPlanError, match="is not a ModelPlan"):  # user plans are for transformers only
+        _build("PLAN = TensorParallelPlan(layers={})")
 
 
 def test_a_user_plan_travels_as_its_text_and_a_worker_builds_the_same_plan():
     from parallel_runtime.plans import plan_for_family
-    from parallel_runtime.plans import user
+    from parallel_runtime.plans.vocabulary import user
 
     (plan,) = _build(documented_plan())
     wire = user.wire(plan)

@@ -12,7 +12,7 @@ import torch
 from conftest import cpu_world
 from parallel_runtime.parallel import vae_bands as vae_parallel
 from parallel_runtime.plans import find_vae_plan, plan_for_family
-from parallel_runtime.plans.vae import check_vae
+from parallel_runtime.plans import check_vae
 from parallel_runtime.parallel.vae_bands import Bands, ConvRows
 from vae_cases import LTX2_CONFIG, VAES, randomize, refiner_vae
 

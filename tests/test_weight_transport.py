@@ -111,7 +111,7 @@ def test_tp2_x_ulysses2_rank0_holds_its_shard_and_workers_exactly_their_slices(c
 def test_staged_point_to_point_equals_the_direct_path(comfyui_path, monkeypatch):
     """Ring attention's K/V blocks and the VAE's halo rows through host buffers (gloo on CUDA)
     give bit for bit what the direct transfers give."""
-    from parallel_runtime.parallel.vae_bands import check_vae
+    from parallel_runtime.plans import check_vae
     from vae_cases import VAES
 
     model = build_wan_model(TinyWan(dim=256, ffn_dim=512, num_layers=2), seed=6, text_dim=TEXT_DIM)

@@ -10,7 +10,7 @@ from parallel_runtime.plans import find_plan
 from parallel_runtime.parallel.sequence import SeqShard, take_chunk, weighted_sizes
 from parallel_runtime.parallel.vae_bands import Bands
 from parallel_runtime.parallel import vae_bands as vae_parallel
-from parallel_runtime.plans.vae import check_vae
+from parallel_runtime.plans import check_vae
 from vae_cases import VAES
 
 TOL = 1e-5

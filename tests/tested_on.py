@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from parallel_runtime.plans import PLANS, find_encoder_plan
-from parallel_runtime.plans.vae import check_vae
+from parallel_runtime.plans import check_vae
 from text_encoder_cases import ENCODERS
 from tiny_families import FAMILIES
 from vae_cases import VAES

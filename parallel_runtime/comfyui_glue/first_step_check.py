@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..plans.base import comfyui_release
+from ..plans.vocabulary.matching import comfyui_release
 from ..world.runtime import RUNTIME
 
 log = logging.getLogger("parallel")

@@ -1,4 +1,4 @@
-"""Where user plans come from (plans/user.py reads them): the folders a user puts plan files in.
+"""Where user plans come from (plans/vocabulary/user.py reads them): the folders a user puts plan files in.
 
 - ``parallel_plans/`` in ComfyUI's user directory (``ComfyUI/user/parallel_plans/`` by default,
   or under ``--user-directory``);

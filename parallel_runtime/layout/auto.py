@@ -29,11 +29,10 @@ from ..parallel import scoped_hooks
 from ..parallel.attention import attention_with_lse
 from ..parallel.compile_regions import region_patterns
 from ..parallel.heads import head_share
-from ..plans import ModelPlan
-from ..plans.base import MAIN_STREAM
-from ..plans.matching import matching_modules, on_item, replace_arguments
-from ..plans.matching import layer_specs
-from ..plans.tensor_parallel import Norm, Rowwise
+from ..plans.vocabulary.context_parallel import MAIN_STREAM
+from ..plans.vocabulary.matching import layer_specs, matching_modules, on_item, replace_arguments
+from ..plans.vocabulary.tensor_parallel import Norm, Rowwise
+from ..plans.vocabulary.transformer import TransformerPlan
 from ..weights import pickling
 
 log = logging.getLogger("parallel")
@@ -52,7 +51,7 @@ class _LinearCall:
     split: bool     # a layer tensor parallelism cuts
 
 
-def measure_shape(module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict) -> cost_model.ModelShape:
+def measure_shape(module: torch.nn.Module, plan: TransformerPlan, method, args: tuple, kwargs: dict) -> cost_model.ModelShape:
     """The run's shape: rank 0 runs ``method`` until the first block of each of the plan's block
     stacks has run, recording the token streams and every matmul those blocks make (a layer that
     runs once per sample, such as a modulation, costs the same on every rank; one that runs per
@@ -92,7 +91,7 @@ def measure_shape(module: torch.nn.Module, plan: ModelPlan, method, args: tuple,
         output_bytes=tensors[0].numel() * tensors[0].element_size() if tensors else 0)
 
 
-def _run_to_first_blocks(module, plan: ModelPlan, stacks, method, args, kwargs):
+def _run_to_first_blocks(module, plan: TransformerPlan, stacks, method, args, kwargs):
     """Run ``method`` until the first block of every stack has run (then stop it): the token
     streams where they start (stream -> (shape, token dim, dtype)) and each first block's matmuls
     (stack pattern -> its ``_LinearCall`` list)."""
@@ -194,7 +193,7 @@ def matmul_rate(shape: cost_model.ModelShape, world_size: int, device: torch.dev
     return 2.0 * rows * shape.hidden * 4 * shape.hidden / median_seconds(lambda: torch.mm(a, b), device, repeats=5)
 
 
-def refusal(module, plan: ModelPlan, sizes: dict[str, int], shape: cost_model.ModelShape, config) -> str | None:
+def refusal(module, plan: TransformerPlan, sizes: dict[str, int], shape: cost_model.ModelShape, config) -> str | None:
     """Why this model cannot run in this layout, or None: the plan's own check (the one Shard
     Transformer makes, layout/refusal.py), then what only a run's shape and the hosts can say."""
     why = plan_refusal(module, plan, sizes)
@@ -234,7 +233,7 @@ class Choice:
                 "weights": list(self.weights)}
 
 
-def choose(module, plan: ModelPlan, shape: cost_model.ModelShape, probe: dict, config, world_size: int,
+def choose(module, plan: TransformerPlan, shape: cost_model.ModelShape, probe: dict, config, world_size: int,
            site_seconds: dict | None = None, matmul_flops_per_s: float | None = None
            ) -> tuple[list[cost_model.Prediction], dict[str, str]]:
     """Predictions of every runnable layout (fastest first) and the refused ones with reasons
@@ -297,7 +296,7 @@ class AutoLayouts:
         self._current: "weakref.WeakKeyDictionary[torch.nn.Module, Choice]" = weakref.WeakKeyDictionary()
         self._last_measured: tuple[float, ...] = ()  # the speeds the latest choice measured
 
-    def layout_for(self, module, plan: ModelPlan, method, args: tuple, kwargs: dict) -> MeshLayout:
+    def layout_for(self, module, plan: TransformerPlan, method, args: tuple, kwargs: dict) -> MeshLayout:
         per_size = self._chosen.get(module)
         if per_size is None:
             per_size = self._chosen[module] = {}

@@ -7,13 +7,13 @@ adds only what it alone knows (the run's batch against a cfg dimension, hosts ag
 from __future__ import annotations
 
 from ..config import MESH_DIMS
-from ..plans import ModelPlan
-from ..plans.matching import layer_specs
-from ..plans.tensor_parallel import TensorParallelError
+from ..plans.vocabulary.matching import layer_specs
+from ..plans.vocabulary.tensor_parallel import TensorParallelError
+from ..plans.vocabulary.transformer import TransformerPlan
 from ..weights.shards import quantized_layers, quantized_message, valid_sizes
 
 
-def plan_refusal(module, plan: ModelPlan, sizes: dict[str, int]) -> str | None:
+def plan_refusal(module, plan: TransformerPlan, sizes: dict[str, int]) -> str | None:
     """Why ``module`` (its ``plan`` found) cannot run with these mesh sizes, in words a user can act
     on (naming the value and the valid ones), or None."""
     for dim in MESH_DIMS:

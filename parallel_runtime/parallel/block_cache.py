@@ -1,6 +1,6 @@
 """Block Cache: DBCache-style step caching of the middle blocks, under every layout and unsharded.
 
-At every step the first ``front_blocks`` blocks of the plan's block stacks (``ModelPlan.cached_blocks``,
+At every step the first ``front_blocks`` blocks of the plan's block stacks (``TransformerPlan.cached_blocks``,
 in the order the model runs them) are computed. Their residual (what they added to each stream they
 return) is compared with the one of the last fully computed step: relative L1,
 ``sum |r - r_last| / sum |r_last|``. Under the threshold (after the warm-up steps, and no more than
@@ -40,8 +40,9 @@ from typing import Callable
 import torch
 
 from ..distributed import comm
-from ..plans.base import CachedBlocks, ModelPlan
-from ..plans.matching import matching_modules
+from ..plans.vocabulary.context_parallel import CachedBlocks
+from ..plans.vocabulary.matching import matching_modules
+from ..plans.vocabulary.transformer import TransformerPlan
 
 OPTION = "hybrid_block_cache"  # transformer_options entry: the settings, plain data (travels to the workers)
 SKEW_ENV = "PARALLEL_TEST_BLOCK_CACHE_SKEW"
@@ -104,11 +105,11 @@ class CacheRanks:
 UNSHARDED = CacheRanks()
 
 
-def stacks_of(plan: ModelPlan) -> tuple[CachedBlocks, ...]:
+def stacks_of(plan: TransformerPlan) -> tuple[CachedBlocks, ...]:
     return plan.cached_blocks
 
 
-def block_count(root: torch.nn.Module, plan: ModelPlan) -> int:
+def block_count(root: torch.nn.Module, plan: TransformerPlan) -> int:
     return sum(len(matching_modules(root, s.pattern)) for s in stacks_of(plan))
 
 
@@ -158,7 +159,7 @@ def _batch_key(options: dict, shapes) -> tuple:
 class _Forward:
     """One forward under Block Cache on this rank."""
 
-    def __init__(self, root, plan: ModelPlan, settings: BlockCacheSettings, options: dict, ranks: CacheRanks):
+    def __init__(self, root, plan: TransformerPlan, settings: BlockCacheSettings, options: dict, ranks: CacheRanks):
         self.plan, self.settings, self.ranks = plan, settings, ranks
         self.order: list[int] = []      # position -> stack index
         self.stack_of: dict[int, int] = {}
@@ -374,7 +375,7 @@ class _Forward:
 
 
 @contextlib.contextmanager
-def cached_blocks(root: torch.nn.Module, plan: ModelPlan, options: dict | None,
+def cached_blocks(root: torch.nn.Module, plan: TransformerPlan, options: dict | None,
                   ranks: CacheRanks = UNSHARDED):
     """For one forward of ``root``: Block Cache as ``options[OPTION]`` asks (nothing when absent)."""
     settings = BlockCacheSettings.from_option((options or {}).get(OPTION))

@@ -4,7 +4,7 @@ ComfyUI's TorchCompileModel compiles the whole diffusion model, which would trac
 communication between ranks. Here each rank compiles the ``forward`` of the blocks its plan
 names (regional compilation: blocks of one class share one compiled graph), and everything
 that communicates runs between the graphs: the plans' hooks and ComfyUI's attention override
-run behind ``torch._dynamo.disable`` (scoped_hooks, plans.base), so the compiler breaks the
+run behind ``torch._dynamo.disable`` (scoped_hooks, plans/vocabulary/context_parallel.py), so the compiler breaks the
 graph there and calls them as they are. The compiled ``forward`` is set on the block only
 for the length of a sharded forward: the module ComfyUI owns is left as it was.
 
@@ -25,8 +25,8 @@ import torch
 from torch._dynamo.callback import callback_handler
 from torch._dynamo.utils import counters
 
-from ..plans.base import ModelPlan
-from ..plans.matching import matching_modules
+from ..plans.vocabulary.matching import matching_modules
+from ..plans.vocabulary.transformer import TransformerPlan
 
 log = logging.getLogger("parallel")
 
@@ -79,7 +79,7 @@ def skip_transformer_options_guards(guard_entries):
     return keep
 
 
-def hooked_patterns(plan: ModelPlan) -> list[str]:
+def hooked_patterns(plan: TransformerPlan) -> list[str]:
     """Every module the plan may put a hook on, in any layout."""
     cp = plan.context_parallel
     patterns = [*cp.inputs, *cp.outputs, *cp.attention]
@@ -88,7 +88,7 @@ def hooked_patterns(plan: ModelPlan) -> list[str]:
     return patterns
 
 
-def region_patterns(plan: ModelPlan) -> tuple[str, ...]:
+def region_patterns(plan: TransformerPlan) -> tuple[str, ...]:
     """The repeated blocks the plan hooks (``blocks.*``, ``double_blocks.*``), from the patterns it
     already names: each pattern cut after its first ``*``."""
     if plan.compile_regions:
@@ -146,7 +146,7 @@ def _compiled_forward(module: torch.nn.Module, settings: CompileSettings):
 
 
 @contextlib.contextmanager
-def compiled_regions(root: torch.nn.Module, plan: ModelPlan, settings: CompileSettings | None, layout: str = "single"):
+def compiled_regions(root: torch.nn.Module, plan: TransformerPlan, settings: CompileSettings | None, layout: str = "single"):
     """For one forward: the plan's blocks run their compiled ``forward``; ``layout`` names what the
     plan does around and inside them in this forward (the mesh), one set of graphs per layout."""
     if settings is None:

@@ -23,9 +23,10 @@ import torch
 from . import arguments, scoped_hooks
 from .attention import JointLayout, SequenceParallel, context_parallel_attention
 from .sequence import SeqShard, gather_chunks, take_chunk, weighted_sizes
-from ..plans.base import Gather, ModelPlan, PlanMismatch, Split, comfyui_release
-from ..plans.matching import (attention_global_holder, forward_signature, matching_modules, on_item,
-                              replace_arguments)
+from ..plans.vocabulary.context_parallel import Gather, Split
+from ..plans.vocabulary.matching import (PlanMismatch, attention_global_holder, comfyui_release, forward_signature,
+                                         matching_modules, on_item, replace_arguments)
+from ..plans.vocabulary.transformer import TransformerPlan
 
 
 OVERRIDE_KEY = "optimized_attention_override"
@@ -275,7 +276,7 @@ def _copy_nested(value):
     return value
 
 
-def check_supported_arguments(plan: "ModelPlan", bound) -> None:
+def check_supported_arguments(plan: "TransformerPlan", bound) -> None:
     """Refuse inputs the plan cannot shard, naming them, before any rank starts work."""
     cp = plan.context_parallel
     for name, why in cp.unsupported.items():
@@ -291,7 +292,7 @@ def _has_value(value) -> bool:
     return not (isinstance(value, (list, tuple, dict)) and not value)
 
 
-def _guard_hook(plan: "ModelPlan", known: frozenset[str], site: str):
+def _guard_hook(plan: "TransformerPlan", known: frozenset[str], site: str):
     """Refuse a call that brings an argument the plan does not know (see ``passed``)."""
     def hook(module, args, kwargs):
         positional = forward_signature(module)[0]
@@ -333,7 +334,7 @@ def _enter_site(ctx: ForwardContext, streams: tuple[str, ...]):
     return hook
 
 
-def _leave_site(ctx: ForwardContext, plan: ModelPlan, site: str):
+def _leave_site(ctx: ForwardContext, plan: TransformerPlan, site: str):
     """With ``attention_globals``, a site whose attention never reached the distributed attention
     (ComfyUI now calls it some other way) is refused: it attended its local tokens only."""
     def hook(module, args, output):
@@ -351,7 +352,7 @@ def _leave_site(ctx: ForwardContext, plan: ModelPlan, site: str):
 
 
 @contextlib.contextmanager
-def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
+def context_parallel(root: torch.nn.Module, plan: TransformerPlan, bound, *,
                      sp: SequenceParallel, sp_group, distributed_attention: bool = True,
                      weights: tuple[float, ...] | None = None):
     """Apply ``plan`` to one forward of ``root``: split, context-parallel attention, gather.
@@ -393,7 +394,7 @@ def context_parallel(root: torch.nn.Module, plan: ModelPlan, bound, *,
             h.remove()
 
 
-def _defer_call_inputs(ctx: ForwardContext, plan: ModelPlan, bound) -> None:
+def _defer_call_inputs(ctx: ForwardContext, plan: TransformerPlan, bound) -> None:
     """The forward's own arguments cut once their stream exists (ControlNet residuals): a copy
     of each nested dict or list replaces it, so the caller's stays whole."""
     for spec in plan.context_parallel.call_inputs:
@@ -407,7 +408,7 @@ def _defer_call_inputs(ctx: ForwardContext, plan: ModelPlan, bound) -> None:
                                "not a dict or list of tensors")
 
 
-def _install_hooks(ctx: ForwardContext, plan: ModelPlan, root: torch.nn.Module) -> list:
+def _install_hooks(ctx: ForwardContext, plan: TransformerPlan, root: torch.nn.Module) -> list:
     """The plan's hooks on ``root``: guards first (they see the arguments as the model passes
     them, one per hooked module), then the splits, the attention sites and the gathers."""
     cp = plan.context_parallel

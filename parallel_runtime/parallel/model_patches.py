@@ -1,4 +1,4 @@
-"""Model patches on every rank: applying ``plans/patches.py`` to one sharded forward.
+"""Model patches on every rank: applying their declarations (``plans/model_patches.py``) to one sharded forward.
 
 Rank 0 turns each patch object in ``transformer_options["patches"]`` into plain data (``encode``):
 its class, the attributes that travel with the forward, the answers of what stays on rank 0, and
@@ -27,9 +27,11 @@ from .cfg import BatchSplit, map_tensors
 from .sequence import gather_chunks, take_chunk
 from ..distributed import comm
 from ..comfyui_modules import import_module
-from ..plans import user
-from ..plans.base import ModelPlan, PatchSite
-from ..plans.patches import PatchPlan, PatchRefused, class_name, declared_text, patch_plan_named
+from ..plans import declared_patches_text, patch_plan_named
+from ..plans.vocabulary import user
+from ..plans.vocabulary.context_parallel import PatchSite
+from ..plans.vocabulary.patches import PatchPlan, PatchRefused, class_name
+from ..plans.vocabulary.transformer import TransformerPlan
 
 log = logging.getLogger("parallel")
 
@@ -81,7 +83,7 @@ def _describe(obj) -> str:
 
 def declaration(name: str) -> PatchPlan | None:
     """The declaration for the patch class of qualified name ``name``: the pack's, or a user plan
-    file's (``PATCH_PLANS``, plans/user.py)."""
+    file's (``PATCH_PLANS``, plans/vocabulary/user.py)."""
     return patch_plan_named(name) or user.patch_plan(name)
 
 
@@ -98,13 +100,13 @@ def _slots(options: dict | None):
                 yield kind, hook, key, patch
 
 
-def _check(plan: ModelPlan, spec: PatchPlan | None, kind: str, hook: str, key, patch) -> PatchPlan:
+def _check(plan: TransformerPlan, spec: PatchPlan | None, kind: str, hook: str, key, patch) -> PatchPlan:
     if spec is None:
         raise PatchRefused(
             f"{plan.title}: a node set a model patch of class {_describe(patch)} on {_where(kind, hook)}; the pack "
             "does not know how to run that class on every rank, and it would change rank 0's part only. Remove that "
             f"node (or run without Shard Transformer), or declare it in a plan file (docs/model_patches.md). Model "
-            f"patches the pack runs sharded: {declared_text()}")
+            f"patches the pack runs sharded: {declared_patches_text()}")
     if kind == PATCHES and (hook not in spec.hooks or hook not in plan.context_parallel.patch_sites):
         raise PatchRefused(f"{spec.title} is set on {_where(kind, hook)} of {plan.title}, where the pack does not "
                            "know how the model hands it its tokens; run without Shard Transformer")
@@ -114,7 +116,7 @@ def _check(plan: ModelPlan, spec: PatchPlan | None, kind: str, hook: str, key, p
     return spec
 
 
-def refuse_unknown(options: dict | None, plan: ModelPlan) -> None:
+def refuse_unknown(options: dict | None, plan: TransformerPlan) -> None:
     """Refuse, naming its class, a model patch in ``options["patches"]`` or ``["patches_replace"]``
     that the pack cannot run on every rank: the one check Shard Transformer makes on the model it is
     given and every forward makes."""
@@ -122,7 +124,7 @@ def refuse_unknown(options: dict | None, plan: ModelPlan) -> None:
         _check(plan, declaration(class_name(patch)), kind, hook, key, patch)
 
 
-def encode(options: dict | None, plan: ModelPlan, x) -> tuple[dict | None, list[torch.nn.Module]]:
+def encode(options: dict | None, plan: TransformerPlan, x) -> tuple[dict | None, list[torch.nn.Module]]:
     """Rank 0, before a forward: ``options`` with each patch replaced by its plain-data form (a new
     dict; ComfyUI's stays as it is), and the patch models the call needs. ``x``: the model's input
     latent (a patch's ``prepare`` reads its size). Refuses, naming the class, a patch with no
@@ -192,7 +194,7 @@ def _rebuild(data: dict, spec: PatchPlan, models: list[torch.nn.Module], split: 
 
 
 @contextlib.contextmanager
-def running(plan: ModelPlan, options: dict | None, models: list[torch.nn.Module], ctx,
+def running(plan: TransformerPlan, options: dict | None, models: list[torch.nn.Module], ctx,
             batch: tuple[BatchSplit, object] | None = None):
     """For one forward on this rank: the encoded patches in ``options`` become callables that run
     the patch under its declaration (``ctx``: the context-parallel forward, its streams and group;

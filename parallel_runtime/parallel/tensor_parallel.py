@@ -1,7 +1,7 @@
 """Tensor parallelism at run time: the collectives a shard needs, as hooks for one forward.
 
 A shard (``weights/shards.py``) holds its rank's slices of the layers a ``TensorParallelPlan``
-names (``plans/tensor_parallel.py``). Around one forward: the partial outputs of a ``Rowwise``
+names (``plans/vocabulary/tensor_parallel.py``). Around one forward: the partial outputs of a ``Rowwise``
 layer are summed with one all-reduce, the slices of a ``Colwise(gather=True)`` layer are
 all-gathered, a ``Norm`` over a split width all-reduces its mean square, and ``SliceInput``
 inputs are cut per rank at every call. The hooks are removed after the forward, like the
@@ -15,8 +15,9 @@ import torch
 
 from . import scoped_hooks
 from ..distributed import comm
-from ..plans.matching import layer_specs, matching_modules, on_item, replace_arguments
-from ..plans.tensor_parallel import Colwise, Norm, Rowwise, SliceInput, TensorParallelError, TensorParallelPlan
+from ..plans.vocabulary.matching import layer_specs, matching_modules, on_item, replace_arguments
+from ..plans.vocabulary.tensor_parallel import (Colwise, Norm, Rowwise, SliceInput, TensorParallelError,
+                                               TensorParallelPlan)
 
 
 def _all_reduce_hook(group):

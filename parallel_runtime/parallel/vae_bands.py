@@ -3,7 +3,7 @@
 The input (latent rows for a decode, pixel rows for an encode) is cut into row
 bands, one per rank, and every rank runs the model's own ``decode`` / ``encode``
 on its band. For the duration of that call the layers that look beyond a row
-are made exact on a band (the per-family plan in ``plans/vae.py`` names them):
+are made exact on a band (the VAE's plan in ``plans/vaes/`` names them):
 
 - convolutions exchange a halo with the neighbour ranks (the rows of the
   bands above and below that their kernel reads) and pad only at the top and
@@ -54,8 +54,7 @@ import torch.nn.functional as F
 from .scoped_hooks import Overrides
 from .sequence import weighted_sizes
 from ..distributed import comm
-from ..plans.base import ModelPlan
-from ..plans.vae import PLANS, BandPlan, check_vae, find_vae_plan, matches_any, supported_vaes_text
+from ..plans.vocabulary.vae import VaePlan, matches_any
 
 log = logging.getLogger("parallel")
 
@@ -71,8 +70,7 @@ PARTS = ("halo", "norm", "attention")
 # What the last run_vae did on this rank (bands, fallback, largest conv input): for tests and status.
 last_run: dict = {}
 
-__all__ = ["run_vae", "check_vae", "find_vae_plan", "PLANS", "Bands", "ConvRows", "supported_vaes_text",
-           "LOCAL_ONLY_ATTR"]
+__all__ = ["run_vae", "band_convs", "Bands", "ConvRows", "LOCAL_ONLY_ATTR"]
 
 
 # ---------------------------------------------------------------- geometry
@@ -176,7 +174,7 @@ def conv_rows(conv: torch.nn.Module, stripped: tuple[int, int], stripped_mode: s
                     stripped=stripped, mode=mode, own_mode=own)
 
 
-def _stripped_rows(root: torch.nn.Module, bands: BandPlan) -> dict[int, tuple[tuple[int, int], str]]:
+def _stripped_rows(root: torch.nn.Module, bands: VaePlan) -> dict[int, tuple[tuple[int, int], str]]:
     """id(conv) -> (rows, mode): the rows the code around it pads its input with, and how
     (from the plan's ``padded``; a spec that adds no rows to a conv leaves it to the others)."""
     out = {}
@@ -194,7 +192,7 @@ def _stripped_rows(root: torch.nn.Module, bands: BandPlan) -> dict[int, tuple[tu
     return out
 
 
-def band_convs(root: torch.nn.Module, bands: BandPlan) -> list[tuple[torch.nn.Module, ConvRows]]:
+def band_convs(root: torch.nn.Module, bands: VaePlan) -> list[tuple[torch.nn.Module, ConvRows]]:
     """Every conv of the model with its geometry along the rows."""
     stripped = _stripped_rows(root, bands)
     return [(m, conv_rows(m, *stripped.get(id(m), ((0, 0), "zeros")))) for _, m in root.named_modules()
@@ -389,7 +387,7 @@ def _norm_weights(norm: torch.nn.Module, x: torch.Tensor):
 
 # ---------------------------------------------------------------- installing the overrides
 @contextlib.contextmanager
-def _banded(root: torch.nn.Module, bands: BandPlan, convs, run: _BandRun):
+def _banded(root: torch.nn.Module, bands: VaePlan, convs, run: _BandRun):
     overrides = Overrides()
     try:
         for conv, rows in convs:
@@ -427,7 +425,7 @@ def _method_name(call) -> str:
     return getattr(getattr(target, "__func__", target), "__name__", "")
 
 
-def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, rank: int, call, args: tuple,
+def run_vae(module: torch.nn.Module, plan: VaePlan, group, world_size: int, rank: int, call, args: tuple,
             kwargs: dict, *, communicate: bool = True, weights: tuple[float, ...] | None = None):
     """Run ``call(*args, **kwargs)`` (the module's ``decode`` or ``encode``; the latent or
     the pixels are ``args[0]``, ``[B, C, (T,) H, W]``) over row bands on every rank.
@@ -440,7 +438,6 @@ def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, ra
     """
     if group is None or world_size == 1:
         return call(*args, **kwargs)
-    bands_plan: BandPlan = plan.vae
     method = _method_name(call)
     if method not in ("decode", "encode"):
         raise ValueError(f"parallel VAE: cannot split '{method}' of {type(module).__name__} into bands (decode and "
@@ -450,9 +447,9 @@ def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, ra
         raise ValueError(f"parallel VAE: {method} expects a [B, C, (T,) H, W] tensor first, got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
     local_only = frozenset(PARTS) if not communicate else frozenset(getattr(module, LOCAL_ONLY_ATTR, ()) or ())
-    args, kwargs, buffer = _take_argument(call, args, kwargs, bands_plan.output_argument)
-    unit = 1 if method == "decode" else int(bands_plan.encode_rows(module))
-    convs = band_convs(module, bands_plan)
+    args, kwargs, buffer = _take_argument(call, args, kwargs, plan.output_argument)
+    unit = 1 if method == "decode" else int(plan.encode_rows(module))
+    convs = band_convs(module, plan)
     halo = max([1] + [rows.halo for _, rows in convs])
     bands = Bands(x.shape[ROWS], unit, world_size, tuple(weights or ()), halo)
     last_run.clear()
@@ -471,7 +468,7 @@ def run_vae(module: torch.nn.Module, plan: ModelPlan, group, world_size: int, ra
     start, size = bands.start(rank), bands.sizes()[rank]
     local = x.narrow(ROWS, start, size).contiguous()
     run = _BandRun(group, world_size, rank, local_only)
-    with _banded(module, bands_plan, convs, run):
+    with _banded(module, plan, convs, run):
         out = call(local, *args[1:], **kwargs)
     last_run.update(largest_conv_input=run.largest_conv_input, exchanges=run.exchanges, band=(start, size))
     return _into(buffer, run.gather_output(out))

@@ -25,15 +25,16 @@ The patch convolution, the DCT embedder and the final layer stay whole.
 """
 from __future__ import annotations
 
-from .base import ContextParallelPlan, Gather, ModelPlan, Split
 from .flux import (CHROMA_APPROXIMATOR, FLUX_BLOCK_ARGS, FLUX_CACHED_BLOCKS, JOINT, MASK_WHY, ROPE,
                    flux_blocks_tensor_parallel)
-from .tensor_parallel import Colwise
+from .vocabulary.context_parallel import ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise
+from .vocabulary.transformer import TransformerPlan
 
 CONTROL_WHY = ("the image is gathered at the last single block for the NeRF head, before the model adds that "
                "block's ControlNet residual; run without ControlNet")
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="chroma_radiance",
     title="Chroma Radiance",
     classes=("comfy.ldm.chroma_radiance.model.ChromaRadiance",),

@@ -24,8 +24,9 @@ column-parallel, gathered; the video patch projection (a convolution in 1.0) sta
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
-from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 JOINT = ("txt", "img")
 # (cos, sin), each [video tokens, head_dim]; None where the model adds position embeddings instead.
@@ -55,7 +56,7 @@ TENSOR_PARALLEL = TensorParallelPlan(
     optional=frozenset(OFS),
 )
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="cogvideox",
     title="CogVideoX",
     classes=("comfy.ldm.cogvideo.model.CogVideoXTransformer3DModel",),

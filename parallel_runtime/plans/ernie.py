@@ -25,12 +25,13 @@ modulations column-parallel with their outputs gathered.
 """
 from __future__ import annotations
 
-from .base import AttentionGlobal, ContextParallelPlan, Gather, ModelPlan, Split
-from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import AttentionGlobal, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 LAYERS = "layers.*"
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="ernie_image",
     title="ERNIE-Image",
     classes=("comfy.ldm.ernie.model.ErnieImageModel",),

@@ -21,8 +21,9 @@
 """
 from __future__ import annotations
 
-from .base import AttentionGlobal, CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
-from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import AttentionGlobal, CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 JOINT = ("txt", "img")
 ROPE = Split("pe", dim=2, segments=JOINT)
@@ -111,7 +112,7 @@ def flux_blocks_tensor_parallel(modulation: bool, final_modulation: bool, embedd
 
 MASK_WHY = "the style-model attention mask covers the joint sequence; run without the mask option"
 
-FLUX = ModelPlan(
+FLUX = TransformerPlan(
     family="flux",
     title="Flux.1 / Flux.2",
     classes=("comfy.ldm.flux.model.Flux",),
@@ -128,7 +129,7 @@ FLUX = ModelPlan(
 CHROMA_APPROXIMATOR = {"distilled_guidance_layer.layers.*.in_layer": Colwise(),
                        "distilled_guidance_layer.layers.*.out_layer": Rowwise()}
 
-CHROMA = ModelPlan(
+CHROMA = TransformerPlan(
     family="chroma",
     title="Chroma",
     classes=("comfy.ldm.chroma.model.Chroma",),
@@ -140,7 +141,7 @@ CHROMA = ModelPlan(
     cached_blocks=FLUX_CACHED_BLOCKS,
 )
 
-CONTROLNET = ModelPlan(
+CONTROLNET = TransformerPlan(
     family="flux_controlnet",
     title="Flux ControlNet",
     classes=("comfy.ldm.flux.controlnet.ControlNetFlux",),

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .flux import FLUX_BLOCK_ARGS, flux_blocks_tensor_parallel
-from .tensor_parallel import Colwise, Rowwise
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise
+from .vocabulary.transformer import TransformerPlan
 
 
 
@@ -52,9 +53,9 @@ SIDE_INPUTS = {"byt5_in.fc1": Colwise(), "byt5_in.fc2": Rowwise(), "byt5_in.fc3"
                "time_r_in.in_layer": Colwise(), "time_r_in.out_layer": Rowwise()}
 
 
-def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> ModelPlan:
+def _plan(joint: tuple[str, str], gather: dict, unsupported: dict) -> TransformerPlan:
     rope = Split("pe", dim=2, segments=joint)
-    return ModelPlan(
+    return TransformerPlan(
         family="hunyuan_video",
         title="HunyuanVideo",
         classes=("comfy.ldm.hunyuan_video.model.HunyuanVideo",),
@@ -97,7 +98,7 @@ TEXT_FIRST = _plan(("txt", "img"),
                    {"single_blocks.-1": Gather(dim=1, segments=("txt", "img"), keep_local=("txt",))}, {})
 
 
-def _joint_order(model) -> ModelPlan:
+def _joint_order(model) -> TransformerPlan:
     flipped = len(model.double_blocks) and getattr(model.double_blocks[0], "flipped_img_txt", False)
     return IMAGE_FIRST if flipped else TEXT_FIRST
 

@@ -23,8 +23,9 @@ column-parallel, gathered. The patch convolution and ``proj_out`` stay whole.
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
-from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 JOINT = ("img", "txt")
 BLOCKS = "double_blocks"
@@ -46,7 +47,7 @@ TENSOR_PARALLEL = TensorParallelPlan(
                "time embedding width": "condition_embedder.time_embedder.linear_1.out_features"},
 )
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="joyimage",
     title="JoyImage",
     classes=("comfy.ldm.joyimage.model.JoyImageTransformer3DModel",),

@@ -28,8 +28,9 @@ the text, pooled-text and visual input projections are column-parallel, gathered
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
-from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 BLOCKS = "visual_transformer_blocks"
 TEXT_BLOCKS = "text_transformer_blocks"
@@ -59,7 +60,7 @@ TENSOR_PARALLEL = TensorParallelPlan(
     optional=frozenset(_block_tp(f"{TEXT_BLOCKS}.*", "text_modulation", ("self_attention",))),
 )
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="kandinsky5",
     title="Kandinsky 5",
     classes=("comfy.ldm.kandinsky5.model.Kandinsky5",),

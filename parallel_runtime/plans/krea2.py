@@ -27,8 +27,9 @@ shared 6-way modulation projection ``tproj`` is column-parallel, gathered.
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
-from .tensor_parallel import Colwise, ColwiseKV, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, ColwiseKV, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 STACKS = ("blocks.*", "txtfusion.layerwise_blocks.*", "txtfusion.refiner_blocks.*")
 KV = ColwiseKV(heads="heads", kv_heads="kvheads", head_dim="headdim")
@@ -51,7 +52,7 @@ TENSOR_PARALLEL = TensorParallelPlan(
                "text MLP width": "txtfusion.refiner_blocks.0.mlp.down.in_features"},
 )
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="krea2",
     title="Krea 2",
     classes=("comfy.ldm.krea2.model.SingleStreamDiT",),

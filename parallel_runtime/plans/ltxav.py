@@ -36,9 +36,10 @@ projections of both streams and of the audio-video attention as in LTXV.
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
 from .ltxv import adaln_tp, attention_tp
-from .tensor_parallel import Colwise, Rowwise, SliceInput, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, SliceInput, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 VIDEO, AUDIO = "v", "a"
 SELF_ATTENTION = ("transformer_blocks.*.attn1", "transformer_blocks.*.audio_attn1")
@@ -100,7 +101,7 @@ def guide_attention_biased(entries) -> bool:
     return any(e["strength"] != 1.0 or e.get("pixel_mask") is not None for e in entries)
 
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="ltxav",
     title="LTX-2",
     classes=("comfy.ldm.lightricks.av_model.LTXAVModel",),

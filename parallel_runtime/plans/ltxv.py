@@ -20,8 +20,9 @@ column/row pair and the 6-way modulation projection column-parallel, gathered.
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
-from .tensor_parallel import Colwise, Norm, Rowwise, SliceInput, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Norm, Rowwise, SliceInput, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 
 def attention_tp(attn: str) -> dict:
@@ -49,7 +50,7 @@ TENSOR_PARALLEL = TensorParallelPlan(
     inputs={"transformer_blocks.*.attn1": (SliceInput("pe", dim=3), SliceInput("pe", dim=2, item=0))},
 )
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="ltxv",
     title="LTXV",
     classes=("comfy.ldm.lightricks.model.LTXVModel",),

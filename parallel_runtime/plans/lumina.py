@@ -20,8 +20,9 @@ with its output gathered. The q/k norms are per head and need nothing.
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, PatchSite, Split
-from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, PatchSite, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 
 def _qkv_segments(attention, linear) -> list[int]:
@@ -59,7 +60,7 @@ def _caption_length(kwargs: dict, total: int) -> int:
 PATCH_SITES = {"double_block": PatchSite(joint=("txt", "img"), joint_stream="x", joint_at=_caption_length),
                "noise_refiner": PatchSite(before_split=True)}
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="lumina2",
     title="Lumina2 / Z-Image",
     classes=("comfy.ldm.lumina.model.NextDiT",),

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 from . import ENCODER_PLANS, PLANS, VAE_PLANS
+from .vocabulary.text_encoder import TextEncoderPlan
+from .vocabulary.transformer import TransformerPlan
+from .vocabulary.vae import VaePlan
 
 COLUMNS = (("Ulysses", ("ulysses",)), ("Ring", ("ring",)), ("USP", ("ring", "ulysses")), ("CFG", ("cfg",)),
            ("TP", ("tp",)))
@@ -17,30 +20,25 @@ def releases_by_family(record: dict[str, list[str]]) -> dict[str, tuple[str, ...
     return {f: tuple(v for v in order if f in record[v]) for fs in record.values() for f in fs}
 
 
+def _row(plan: "TransformerPlan | TextEncoderPlan | VaePlan", cells: list[str], tested: dict) -> str:
+    classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
+    return "| " + " | ".join([plan.title, classes, *cells, ", ".join(tested.get(plan.family, ())) or "none",
+                              plan.notes]) + " |"
+
+
 def render(record: dict[str, list[str]]) -> str:
     """The matrix in Markdown; ``record``: release -> the plan families its tests run."""
     tested = releases_by_family(record)
-
-    def _tested(plan) -> str:
-        return ", ".join(tested.get(plan.family, ())) or "none"
-
     header = "| Family | Model classes | " + " | ".join(name for name, _ in COLUMNS) + " | Tested on ComfyUI | Notes |"
     rule = "|" + "---|" * (len(COLUMNS) + 4)
-    rows = []
-    for plan in PLANS:
-        classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
-        cells = ["yes" if all(d in plan.supports for d in dims) else "not yet" for _, dims in COLUMNS]
-        rows.append(f"| {plan.title} | {classes} | " + " | ".join(cells) + f" | {_tested(plan)} | {plan.notes} |")
+    rows = [_row(plan, ["yes" if all(d in plan.supports for d in dims) else "not yet" for _, dims in COLUMNS], tested)
+            for plan in PLANS]
     user = ["", "User plans: a plan file adds a transformer class the pack does not ship, in the same terms as the "
                 "plans above, checked against the model the same way ([docs/user_plans.md](docs/user_plans.md))."]
     encoders = ["", "Text encoders (Shard Text Encoder, tensor parallel over all ranks):", "",
-                "| Encoder | Model classes | Tested on ComfyUI | Notes |", "|---|---|---|---|"]
-    for plan in ENCODER_PLANS:
-        classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
-        encoders.append(f"| {plan.title} | {classes} | {_tested(plan)} | {plan.notes} |")
+                "| Encoder | Model classes | Tested on ComfyUI | Notes |", "|---|---|---|---|",
+                *(_row(plan, [], tested) for plan in ENCODER_PLANS)]
     vaes = ["", "VAEs (Shard VAE, row bands over all ranks, exact):", "",
-            "| VAE | Model classes | Tested on ComfyUI | Notes |", "|---|---|---|---|"]
-    for plan in VAE_PLANS:
-        classes = ", ".join(f"`{c.rsplit('.', 1)[1]}`" for c in plan.classes)
-        vaes.append(f"| {plan.title} | {classes} | {_tested(plan)} | {plan.notes} |")
+            "| VAE | Model classes | Tested on ComfyUI | Notes |", "|---|---|---|---|",
+            *(_row(plan, [], tested) for plan in VAE_PLANS)]
     return "\n".join([BEGIN, header, rule, *rows, *user, *encoders, *vaes, END])

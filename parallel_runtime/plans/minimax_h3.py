@@ -36,8 +36,9 @@ column-parallel, gathered, and the time embedder as a column/row pair.
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, Split
-from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 STACKS = ("blocks.*", "token_refiner.blocks.*")
 
@@ -58,7 +59,7 @@ TENSOR_PARALLEL = TensorParallelPlan(
     optional=frozenset(TIME_EMBEDDER),
 )
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="minimax_h3",
     title="MiniMax-H3",
     classes=("comfy.ldm.minimax.model.MiniMaxH3Model",),

@@ -11,12 +11,13 @@
 """
 from __future__ import annotations
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, PatchSite, Split
-from .tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, PatchSite, Split
+from .vocabulary.tensor_parallel import Colwise, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 JOINT = ("txt", "img")
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="qwen_image",
     title="Qwen-Image / Qwen-Image-Edit",
     classes=("comfy.ldm.qwen_image.model.QwenImageTransformer2DModel",),

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import CachedBlocks, ContextParallelPlan, Gather, ModelPlan, PatchSite, Split
-from .tensor_parallel import Colwise, Norm, Rowwise, TensorParallelPlan
+from .vocabulary.context_parallel import CachedBlocks, ContextParallelPlan, Gather, PatchSite, Split
+from .vocabulary.tensor_parallel import Colwise, Norm, Rowwise, TensorParallelPlan
+from .vocabulary.transformer import TransformerPlan
 
 
 def expand_like_repeat_e(t: torch.Tensor, total: int) -> torch.Tensor:
@@ -78,7 +79,7 @@ GATHER_HEAD = {"head": Gather(dim=1)}
 # Model patches after each block (Uni3C) receive the video stream as ``img`` (``x`` is the model's input).
 PATCH_SITES = {"double_block": PatchSite(tokens={"img": "x"})}
 
-PLAN = ModelPlan(
+PLAN = TransformerPlan(
     family="wan",
     title="Wan 2.1 / 2.2",
     classes=("comfy.ldm.wan.model.WanModel",),
@@ -95,7 +96,7 @@ PLAN = ModelPlan(
     cached_blocks=(CachedBlocks("blocks.*"),),
 )
 
-VACE = ModelPlan(
+VACE = TransformerPlan(
     family="wan_vace",
     title="Wan VACE",
     classes=("comfy.ldm.wan.model.VaceWanModel",),

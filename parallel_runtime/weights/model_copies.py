@@ -38,7 +38,7 @@ import torch
 from . import file_reads, quantized, sources, packed, pickling, stream
 from .shards import build_shard, cut_plan, finish_shard, named_tensors
 from ..distributed import comm
-from ..plans import ModelPlan, check_plan_matches, plan_wire
+from ..plans import Plan, plan_wire
 
 log = logging.getLogger("parallel")
 
@@ -159,7 +159,7 @@ class ModelCopies:
         return None if copy is None else (copy.run_module or module)
 
     # ------------------------------------------------------------ send
-    def ensure(self, module: torch.nn.Module, plan: ModelPlan, source: "sources.WeightSource | None",
+    def ensure(self, module: torch.nn.Module, plan: Plan, source: "sources.WeightSource | None",
                layout=None):
         """The key the workers know ``module`` by and the module rank 0 runs (``module`` itself,
         or its tensor-parallel shard), sending the weights first unless the ranks hold this version
@@ -171,14 +171,14 @@ class ModelCopies:
         # What each rank holds depends on the layout through its tensor-parallel slice only (tp is
         # the innermost dimension: rank r holds slice r % tp in every layout): layouts that differ
         # in their context-parallel dimensions alone share the weights sent once.
-        # A user plan whose file changed since the send (plans/user.py) sends the model again, with
+        # A user plan whose file changed since the send (plans/vocabulary/user.py) sends the model again, with
         # the new plan: every rank runs the plan rank 0 runs.
         version = (tp, source.version() if source is not None else ("as given",), plan.source)
         found = self._copies.get(module)
         if found is not None and found.version == version:
             sources.finish_offload(module)  # held already: the full weights still leave the device
             return found.key, found.run_module or module
-        check_plan_matches(module, plan)
+        plan.check_matches(module)
         if source is not None:
             source.refuse_unsupported(plan.title)
         key = found.key if found is not None else f"m{next(self._keys)}"

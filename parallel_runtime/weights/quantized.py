@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from ..plans.tensor_parallel import kv_rows
+from ..plans.vocabulary.tensor_parallel import kv_rows
 
 # Layout families, by the name of a class in the layout's MRO (comfy_kitchen dispatches the same
 # way, so ComfyUI's own subclasses, TensorCoreFP8E4M3Layout / E5M2, are found through their base).

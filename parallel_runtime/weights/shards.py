@@ -16,8 +16,9 @@ import torch
 
 from . import packed, quantized
 from .pickling import without_forward_overrides
-from ..plans.matching import layer_specs, matching_modules
-from ..plans.tensor_parallel import Colwise, ColwiseKV, Norm, Rowwise, TensorParallelError, TensorParallelPlan, kv_rows
+from ..plans.vocabulary.matching import layer_specs, matching_modules
+from ..plans.vocabulary.tensor_parallel import (Colwise, ColwiseKV, Norm, Rowwise, TensorParallelError,
+                                               TensorParallelPlan, kv_rows)
 
 
 def _segment_sizes(spec, parent, module, total: int) -> list[int]:

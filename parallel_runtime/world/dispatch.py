@@ -25,10 +25,8 @@ from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout.auto import calibrate
 from ..parallel import arguments, compile_regions, model_patches
 from ..parallel.cfg import batch_of
-from ..parallel.context_parallel import check_supported_arguments
-from ..parallel.execution import run_sharded
-from ..plans import ModelPlan
-from ..plans.patches import MODEL_PLAN as PATCH_MODEL_PLAN
+from ..parallel.execution import check_arguments, run_sharded
+from ..plans import PATCH_MODEL_PLAN, Plan
 from ..weights import pickling
 from ..weights.shards import named_tensors
 
@@ -39,7 +37,7 @@ log = logging.getLogger("parallel")
 class _Call:
     """One forward as rank 0 prepared it: the bound call, its layout, what the workers receive."""
 
-    plan: ModelPlan
+    plan: Plan
     method_name: str
     bound: inspect.BoundArguments
     trial: inspect.BoundArguments | None  # layout auto: the call rank 0 measures the run's shape with
@@ -90,7 +88,7 @@ class Dispatch:
             self.expect(w, "trimmed", deadline)
 
     # ---------------------------------------------------------------- forward
-    def forward(self, module: torch.nn.Module, plan: ModelPlan, method, args: tuple, kwargs: dict, source=None,
+    def forward(self, module: torch.nn.Module, plan: Plan, method, args: tuple, kwargs: dict, source=None,
                 distributed_attention: bool = True, compile=None, layout: MeshLayout | None = None,
                 weights: tuple[float, ...] | None = None, ulysses_chunks: int | None = None,
                 ulysses_overlap: bool | None = None):
@@ -119,7 +117,7 @@ class Dispatch:
             if call.trial is not None:  # inside: the ranks time the candidates, a failure there ends the world
                 call.layout = self.auto.layout_for(module, call.plan, _method_of(module, call.method_name),
                                                    call.trial.args, call.trial.kwargs)
-            if call.plan.kind == "transformer":
+            if call.plan.configured_layout:
                 self._note_idle_cfg(call.layout, call.bound)
                 self.last_heads = call.plan.heads(module)
             self.current_layout = call.layout
@@ -152,24 +150,24 @@ class Dispatch:
                 raise WorkerFailure(failure) from exc
             raise
 
-    def _prepare_call(self, module, plan: ModelPlan, method, args, kwargs, layout) -> "_Call":
+    def _prepare_call(self, module, plan: Plan, method, args, kwargs, layout) -> "_Call":
         """Bind the call on rank 0 and encode what the workers receive (nothing is sent yet)."""
         t0 = time.perf_counter()
         plan = plan.for_module(module)
         method_name = _method_name(method)
         signature = inspect.signature(_method_of(module, method_name))
         bound = signature.bind(*args, **kwargs)
-        check_supported_arguments(plan, bound)
+        check_arguments(plan, bound)
         if layout is not None and layout.world_size != self.world_size:
             raise ValueError(f"layout {layout.sizes} has {layout.world_size} ranks; this world has {self.world_size}")
         trial = None
-        if layout is None and self.config.auto_layout and plan.kind == "transformer":
+        if layout is None and self.config.auto_layout and plan.configured_layout:
             # The model runs alone on rank 0 up to its blocks to be measured: on its own copy of the options.
             trial = signature.bind(*bound.args, **bound.kwargs)
             arguments.set_options(trial, dict(arguments.get_options(bound) or {}))
         worker_bound = signature.bind(*bound.args, **bound.kwargs)
         patch_models = []
-        if plan.kind == "transformer":  # text encoders take no transformer_options
+        if plan.takes_transformer_options:
             # Model patches as data that every rank (rank 0 too) rebuilds them from; refused by name if unknown.
             options, patch_models = model_patches.encode(arguments.get_options(bound), plan,
                                                          next(iter(bound.arguments.values()), None))

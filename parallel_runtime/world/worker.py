@@ -34,11 +34,8 @@ from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout import probe
 from ..layout.auto import calibrate
 from ..parallel import compile_regions, scoped_hooks
-from ..parallel.compile_regions import region_patterns
-from ..parallel.execution import run_sharded
-from ..parallel.vae_bands import band_convs
+from ..parallel.execution import run_sharded, timed_modules
 from ..plans import plan_from_wire
-from ..plans.matching import matching_modules
 from ..weights import file_reads, pickling, stream
 from ..weights.pickling import tensor_digest
 from ..weights.shards import finish_shard, named_tensors
@@ -417,12 +414,9 @@ def _slowed(module, plan, rank: int):
     time that module took, and its layout-auto timings are that much slower), to check weighted
     splits against a slow GPU on a machine of equal ranks. Workers only (rank 1 and up)."""
     factor = slow_factor(rank)
-    if factor == 1.0 or plan.kind not in ("transformer", "vae"):
+    slowed = timed_modules(module, plan) if factor != 1.0 else []
+    if not slowed:
         return contextlib.nullcontext()
-    if plan.kind == "vae":
-        slowed = [conv for conv, _ in band_convs(module, plan.vae)]
-    else:
-        slowed = [mod for pattern in region_patterns(plan) for _, mod in matching_modules(module, pattern)]
 
     extra = factor - 1
     started: dict[int, float] = {}

@@ -1,13 +1,13 @@
 """User plans: plans for model classes the pack does not ship, written by a user in plan files.
 
-A plan file is Python that sets ``PLAN`` (or ``PLANS``, a tuple) to a ``ModelPlan`` built from the
-same vocabulary as the built-in plans, which the file finds already defined (``VOCABULARY``: no
+A plan file is Python that sets ``PLAN`` (or ``PLANS``, a tuple) to a ``ModelPlan`` (a
+``TransformerPlan``) built from the same vocabulary as the built-in plans, which the file finds already defined (``VOCABULARY``: no
 import of the pack is needed, nor possible, since the pack's package name depends on the folder
 it was cloned into). docs/user_plans.md has an example and the rules.
 
 - The pack reads every ``*.py`` of the plan folders it is given (``refresh``; the folders come from
   ``comfyui_glue/user_plans.py``), again when a file changes, so a new plan needs no restart.
-- A plan is checked against the model like a built-in one (``matching.check_plan_matches``: a
+- A plan is checked against the model like a built-in one (``TransformerPlan.check_matches``: a
   module the plan names that the model lacks is refused, naming the plan and the module), and it
   may not take a built-in family's name or class.
 - A plan travels to the workers with the model as its source text (``wire`` / ``from_wire``): a
@@ -22,16 +22,19 @@ import hashlib
 import logging
 from pathlib import Path
 
-from .base import MAIN_STREAM, ContextParallelPlan, Gather, ModelPlan, Split
+from .context_parallel import MAIN_STREAM, ContextParallelPlan, Gather, Split
 from .patches import PatchPlan
+from .plan import Plan
 from .tensor_parallel import Colwise, ColwiseKV, Norm, Rowwise, SliceInput, TensorParallelPlan
+from .transformer import TransformerPlan
 
 log = logging.getLogger(__name__)
 
-# What a plan file finds defined: the declarations of the built-in plans, nothing that runs.
-VOCABULARY = {obj.__name__: obj for obj in (ModelPlan, ContextParallelPlan, Split, Gather, TensorParallelPlan,
+# What a plan file finds defined: the declarations of the built-in plans, nothing that runs. A plan
+# file's transformer plan is a ``ModelPlan`` (the name docs/user_plans.md gives it).
+VOCABULARY = {obj.__name__: obj for obj in (ContextParallelPlan, Split, Gather, TensorParallelPlan,
                                             Colwise, ColwiseKV, Rowwise, Norm, SliceInput, PatchPlan)}
-VOCABULARY["MAIN_STREAM"] = MAIN_STREAM
+VOCABULARY.update(ModelPlan=TransformerPlan, MAIN_STREAM=MAIN_STREAM)
 
 
 class UserPlanError(ValueError):
@@ -39,10 +42,10 @@ class UserPlanError(ValueError):
 
 
 # family -> plan (with its ``source``), the plans of the files read so far on this process.
-_PLANS: dict[str, ModelPlan] = {}
+_PLANS: dict[str, TransformerPlan] = {}
 # path -> (stamp of the text read, families it gave, or the error it raised)
 _FILES: dict[str, tuple[str, tuple[str, ...], str | None]] = {}
-# path -> the model patch declarations (``PATCH_PLANS``) its file gave (plans/patches.py's vocabulary).
+# path -> the model patch declarations (``PATCH_PLANS``) its file gave (``patches.py``'s vocabulary).
 _PATCH_PLANS: dict[str, tuple[PatchPlan, ...]] = {}
 
 
@@ -50,7 +53,8 @@ def _stamp(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def build(text: str, origin: str, builtin_families: set[str], builtin_classes: dict[str, str]) -> tuple[ModelPlan, ...]:
+def build(text: str, origin: str, builtin_families: set[str],
+          builtin_classes: dict[str, str]) -> tuple[TransformerPlan, ...]:
     """The plans a plan file's ``text`` gives, each carrying ``(origin, text)`` as its source."""
     namespace = {**VOCABULARY, "__name__": f"parallel_user_plan_{Path(origin).stem}", "__file__": origin}
     try:
@@ -66,11 +70,8 @@ def build(text: str, origin: str, builtin_families: set[str], builtin_classes: d
                             "nor PATCH_PLANS (a tuple of PatchPlan)")
     built = []
     for plan in plans:
-        if not isinstance(plan, ModelPlan):
+        if not isinstance(plan, TransformerPlan):  # user plans are for transformers (Shard Transformer) only
             raise UserPlanError(f"user plan file {origin}: {plan!r} is not a ModelPlan")
-        if plan.kind != "transformer":
-            raise UserPlanError(f"user plan file {origin}: plan '{plan.family}' has kind '{plan.kind}'; user plans "
-                                "are for transformers (Shard Transformer) only")
         if plan.family in builtin_families:
             raise UserPlanError(f"user plan file {origin}: the family name '{plan.family}' is a built-in plan's; "
                                 "give the plan a name of its own")
@@ -154,11 +155,11 @@ def _forget(key: str) -> None:
         _PLANS.pop(family, None)
 
 
-def plans() -> tuple[ModelPlan, ...]:
+def plans() -> tuple[TransformerPlan, ...]:
     return tuple(_PLANS.values())
 
 
-def find(class_name: str) -> ModelPlan | None:
+def find(class_name: str) -> TransformerPlan | None:
     """The user plan whose ``classes`` name this qualified class name, exactly or as a glob
     (``*my_pack.model.MyDiT``: ComfyUI imports a custom node pack under its folder's path)."""
     for plan in _PLANS.values():
@@ -167,17 +168,17 @@ def find(class_name: str) -> ModelPlan | None:
     return None
 
 
-def plan(family: str) -> ModelPlan | None:
+def plan(family: str) -> TransformerPlan | None:
     return _PLANS.get(family)
 
 
-def wire(plan: ModelPlan):
+def wire(plan: Plan):
     """How a plan travels to the workers: a built-in plan by its family name, a user plan as
     ``(family, origin, text)``."""
     return plan.family if plan.source is None else (plan.family, *plan.source)
 
 
-def from_wire(value, builtin: dict[str, ModelPlan]) -> ModelPlan:
+def from_wire(value, builtin: dict[str, Plan]) -> Plan:
     """The plan ``wire`` sent: a built-in one by name, a user plan built from its text (once per text)."""
     if isinstance(value, str):
         return builtin[value]

@@ -3,8 +3,8 @@
 A plan names modules by glob patterns per dotted segment over ``named_modules()`` (``blocks.*``
 is every block, ``single_blocks.-1`` the last one) and inputs by their parameter name in
 ``forward``. The engines that apply plans (``parallel/``), the tensor-parallel cuts
-(``weights/shards.py``) and layout auto find what a plan names here, and ``check_plan_matches``
-refuses a model that is not built the way its plan was written for.
+(``weights/shards.py``) and layout auto find what a plan names here, and a plan's ``check_matches``
+refuses a model that is not built the way the plan was written for (``PlanMismatch``).
 """
 from __future__ import annotations
 
@@ -15,8 +15,22 @@ import weakref
 
 import torch
 
-from .base import AttentionGlobal, ModelPlan, PlanMismatch, comfyui_release
+from .context_parallel import AttentionGlobal
 from .tensor_parallel import Layer, TensorParallelError, TensorParallelPlan
+
+
+class PlanMismatch(RuntimeError):
+    """The model is not built the way its plan was written for (another ComfyUI release)."""
+
+
+def comfyui_release() -> str:
+    """The running ComfyUI's version, for messages."""
+    try:
+        import comfyui_version
+
+        return f"ComfyUI {comfyui_version.__version__}"
+    except Exception:  # an unusual install
+        return "this ComfyUI"
 
 
 _SIGNATURES: "weakref.WeakKeyDictionary[type, tuple[list[str], bool, set[str]]]" = weakref.WeakKeyDictionary()
@@ -110,32 +124,7 @@ def matching_modules(root: torch.nn.Module, pattern: str) -> list[tuple[str, tor
     return found
 
 
-def check_plan_matches(root: torch.nn.Module, plan: ModelPlan) -> None:
-    """The model is built the way the plan was written for: every pattern names a module (a
-    plan that silently matched nothing would leave attention local-only), and every argument the
-    plan cuts is still a parameter of the forward it hooks (or a cut would silently not happen), and
-    every attention global the plan routes is still where the model calls it."""
-    cp = plan.context_parallel
-    for pattern in (*cp.inputs, *cp.outputs, *cp.attention):
-        if not matching_modules(root, pattern):
-            raise PlanMismatch(f"{plan.title} plan: no module matches '{pattern}' in {type(root).__name__} of "
-                               f"{comfyui_release()}; this model variant is not covered by the plan")
-    for spec in cp.attention_globals:
-        attention_global_holder(plan, spec)
-    for pattern, splits in cp.inputs.items():
-        for name, module in matching_modules(root, pattern):
-            _, var_kw, named = forward_signature(module)
-            missing = [s.arg for s in splits if s.arg not in named and not var_kw]
-            if missing:
-                raise PlanMismatch(
-                    f"{plan.title} plan: {name} ({type(module).__name__}) of {comfyui_release()} takes no "
-                    f"{', '.join(map(repr, sorted(set(missing))))}, which the plan cuts across ranks: this ComfyUI "
-                    "builds the model differently from what the plan was written for. Refused rather than computing "
-                    "a wrong result; run this model without Shard Transformer here, or use a pack release that "
-                    "knows it")
-
-
-def attention_global_holder(plan: "ModelPlan", spec: AttentionGlobal):
+def attention_global_holder(plan, spec: AttentionGlobal):
     """The Python module holding ``spec``'s attention function, or PlanMismatch: a model whose
     attention no stand-in can reach would attend its local tokens only."""
     module = sys.modules.get(spec.module)

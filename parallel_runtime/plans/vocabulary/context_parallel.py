@@ -1,4 +1,4 @@
-"""Declarative per-family parallel plans: what each family splits, gathers and attends.
+"""What a transformer plan says about context parallelism: what it splits, gathers and attends.
 
 A plan names module paths (glob patterns per dotted segment over
 ``named_modules()``) and what happens there, in the style of diffusers' ``_cp_plan``:
@@ -17,7 +17,7 @@ A plan names module paths (glob patterns per dotted segment over
   shard to the full keys.
 
 Declarations only: ``matching`` finds what a plan names in a model, and
-``parallel/context_parallel.py`` applies a plan to one forward.
+``parallel/context_parallel.py`` applies them to one forward.
 """
 from __future__ import annotations
 
@@ -26,24 +26,8 @@ from typing import Callable
 
 import torch
 
-from .tensor_parallel import TensorParallelPlan
-
 
 MAIN_STREAM = "x"
-
-
-class PlanMismatch(RuntimeError):
-    """The model is not built the way its plan was written for (another ComfyUI release)."""
-
-
-def comfyui_release() -> str:
-    """The running ComfyUI's version, for messages."""
-    try:
-        import comfyui_version
-
-        return f"ComfyUI {comfyui_version.__version__}"
-    except Exception:  # an unusual install
-        return "this ComfyUI"
 
 
 @dataclass(frozen=True)
@@ -109,7 +93,7 @@ class AttentionGlobal:
     ComfyUI's ``optimized_attention_override`` never reaches it. For one sharded forward the engine
     replaces it, on every rank, with a function that routes the calls made inside the plan's
     attention sites to the distributed attention the other families get through the override, and
-    puts the original back afterwards (also on error). ``matching.check_plan_matches`` refuses a
+    puts the original back afterwards (also on error). ``TransformerPlan.check_matches`` refuses a
     model whose module no longer holds it."""
 
     module: str
@@ -139,7 +123,7 @@ class CachedBlocks:
 class PatchSite:
     """How the model hands the token streams to the patches of one ``transformer_options["patches"]``
     hook (``"double_block"``: ComfyUI calls them after each main block with a dict of keyword
-    arguments), for a patch that must see the whole sequence (``plans/patches.py``: ``whole``).
+    arguments), for a patch that must see the whole sequence (``vocabulary/patches.py``: ``whole``).
 
     ``tokens``: keyword -> the stream whose local chunk it holds under context parallelism
     (Qwen-Image: ``{"img": "img", "txt": "txt"}``). ``joint``: keywords that are back-to-back parts
@@ -183,47 +167,3 @@ class ContextParallelPlan:
     # ``transformer_options["patches"]`` hooks the model calls (``"double_block"``) -> how it hands
     # them the token streams (``PatchSite``); a model patch on a hook not named here is refused.
     patch_sites: dict[str, PatchSite] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ModelPlan:
-    family: str               # short id, e.g. "wan"
-    title: str                # what users call it, e.g. "Wan 2.1 / 2.2"
-    classes: tuple[str, ...]  # qualified class names this plan covers
-    heads_attr: str           # attribute path (dotted) of the root module holding the head count
-    context_parallel: ContextParallelPlan
-    notes: str = ""
-    tensor_parallel: "TensorParallelPlan | None" = None
-    # "transformer": the mesh applies (cfg x ring x ulysses x tp). "encoder" (text encoders):
-    # tensor parallel over every rank of the world, once per prompt, no sequence split.
-    # "vae": spatial bands over every rank of the world (parallel_runtime/parallel/vae_bands.py).
-    kind: str = "transformer"
-    vae: object = None  # the VAE's band plan (plans/vae.py), for kind "vae"
-    # Where ComfyUI releases build the family differently (HunyuanVideo's joint order): the
-    # plan for this very module, chosen from its own structure, so every rank chooses alike.
-    variant: "Callable[[torch.nn.Module], ModelPlan] | None" = None
-    # Modules whose forward torch.compile compiles one by one (parallel/compile_regions.py); empty: the
-    # repeated blocks the plan's patterns name.
-    compile_regions: tuple[str, ...] = ()
-    # The block stacks Block Cache skips the middle of (``CachedBlocks``, in the order the model runs
-    # them); empty: Block Cache refuses the family.
-    cached_blocks: tuple[CachedBlocks, ...] = ()
-    # A user plan (plans/user.py): (the file it came from, its text), which the workers build it from.
-    # None for the pack's own plans, which every rank imports.
-    source: "tuple[str, str] | None" = None
-
-    def for_module(self, module: torch.nn.Module) -> "ModelPlan":
-        return self if self.variant is None else self.variant(module)
-
-    @property
-    def supports(self) -> tuple[str, ...]:
-        """Mesh dimensions the plan supports (for the support matrix and the node's checks)."""
-        if self.kind == "encoder":
-            return ("tp",)
-        return ("ulysses", "ring", "cfg") + (("tp",) if self.tensor_parallel is not None else ())
-
-    def heads(self, module: torch.nn.Module) -> int:
-        value = module
-        for part in self.heads_attr.split("."):
-            value = getattr(value, part)
-        return int(value)
