@@ -82,14 +82,17 @@ def test_two_models_in_turn_stay_on_the_ranks(stream_server, tiny_prompt):
     assert status["ranks"][1]["param_bytes"] > status["ranks"][1]["load"]["total_bytes"] > 0  # both models
 
 
-def test_a_slow_cold_read_is_a_load_not_a_hang(tmp_path, comfyui_path, monkeypatch):
+def test_a_slow_cold_read_is_a_load_not_a_hang_and_cancel_stops_it(tmp_path, comfyui_path, monkeypatch):
     """Workers reading a checkpoint from a slow disk (a wait per tensor, 4 s in all) with a start-up
     timeout of 1 s: the reads tick the world's progress, so rank 0 waits for them, and the result
-    equals the unsharded one."""
+    equals the unsharded one; the load's progress is told as it goes. Cancel pressed 1 s into a
+    first load stops every worker's reads: the call raises LoadStopped well before the reads would
+    have ended, no rank holds any of the model, the world stays up, and the next call loads it."""
     import torch
     from safetensors.torch import save_file
 
     from conftest import VersionedSource
+    from parallel_runtime.weights.model_copies import LoadStopped
     from parallel_runtime.weights.shards import named_tensors
     from test_weight_transport import TEXT_DIM, reference, run, start_world, wan_inputs
     from tiny_models import TinyWan, build_wan_model
@@ -106,6 +109,15 @@ def test_a_slow_cold_read_is_a_load_not_a_hang(tmp_path, comfyui_path, monkeypat
         world.startup_timeout = 1.0
         args = wan_inputs(seed=3)
         source = VersionedSource(str(path))
+        cancel_at = [time.monotonic() + 1.0]
+        world.load_cancelled = lambda: time.monotonic() > cancel_at[0]
+        with pytest.raises(LoadStopped, match="no rank holds the model"):
+            run(world, model, args, source)
+        stopped_after = time.monotonic() - (cancel_at[0] - 1.0)
+        status = world.status()
+        assert status["state"] == "ready" and status["weight_sends"] == 0 and status["models"] == []
+        assert [r["param_bytes"] for r in status["ranks"][1:]] == [0]  # the one worker
+        cancel_at[0] = float("inf")
         out = run(world, model, args, source)
         assert world.copies.last_send["file_reads"]["tensors"] == count
         assert world.copies.last_send["seconds"] > 3.0
@@ -114,10 +126,14 @@ def test_a_slow_cold_read_is_a_load_not_a_hang(tmp_path, comfyui_path, monkeypat
         run(world, model, args, source)  # held: nothing loads, nothing to tell
     finally:
         world.shutdown("test done")
-    # The load was told as it went: from the start (rank 0, which streams almost nothing here, is done
-    # first: a third) through the workers' reads, to 1.0 when every rank was done, never going back.
-    (fractions,) = heard
-    print(f"\nload progress heard: {[round(f, 2) for f in fractions]}")
+    print(f"\nthe stopped load ended {stopped_after:.2f} s after it began (Cancel at 1 s, the reads take 4 s)")
+    assert stopped_after < 2.5
+    # The loads were told as they went: from the start (rank 0, which streams almost nothing here, is
+    # done first: a third) through the workers' reads, to 1.0 when every rank was done, never going
+    # back; the stopped load never reached 1.0.
+    stopped, fractions = heard
+    print(f"load progress heard: {[round(f, 2) for f in stopped]} (stopped), {[round(f, 2) for f in fractions]}")
+    assert stopped and max(stopped) < 1.0
     assert len(fractions) >= 10 and fractions[-1] == 1.0
     assert fractions == sorted(fractions)
     assert fractions[0] < 0.75 and sum(fractions[0] < f < 1.0 for f in fractions) >= 5
@@ -212,11 +228,15 @@ class Listener:
 LOAD_BAR = 100  # the load's bar counts percent (comfyui_glue/load_bar.py)
 
 
-def test_a_load_shows_in_comfyuis_progress_bar_and_a_cancel_during_it_is_kept(slow_load_server, tiny_prompt):
+def test_a_load_shows_in_comfyuis_progress_bar_and_cancel_stops_it(slow_load_server, tiny_prompt, comfyui_path):
     """A first prompt whose weights take seconds to reach the ranks: the sampler's node shows the
     load in ComfyUI's progress bar (percent, rising to 100) before its first step. Cancel pressed
     during the next load (another layout) is not swallowed by the bar's updates: the prompt ends
-    interrupted, and the ranks, which finished the load, serve the next prompt without loading again."""
+    interrupted, on ComfyUI 0.33 (where the workers read from the file) with the load stopped (no
+    send completed, no worker keeps any of it); the ranks stay up and the next prompt loads the
+    model and runs."""
+    from pathlib import Path
+
     from comfy_server import PromptFailed
 
     server, listener = slow_load_server, Listener(slow_load_server)
@@ -228,7 +248,8 @@ def test_a_load_shows_in_comfyuis_progress_bar_and_a_cancel_during_it_is_kept(sl
     load = listener.progress(prompt_id, LOAD_BAR)
     first_step = listener.messages.index(next(m for m in listener.messages if m["type"] == "progress"
                                               and m["data"].get("prompt_id") == prompt_id and m["data"]["max"] == steps))
-    print(f"\nload bar: {[d['value'] for d in load]}")
+    load_s = server.get("/parallel/status")["last_weight_send"]["seconds"]
+    print(f"\nload bar: {[d['value'] for d in load]}; the load took {load_s:.1f} s")
     assert load and load[-1]["value"] == LOAD_BAR and any(0 < d["value"] < LOAD_BAR for d in load)
     assert all(d["node"] == sampler for d in load)
     assert max(i for i, m in enumerate(listener.messages) if m["type"] == "progress"
@@ -240,12 +261,18 @@ def test_a_load_shows_in_comfyuis_progress_bar_and_a_cancel_during_it_is_kept(sl
     while not any(0 < d["value"] < LOAD_BAR for d in listener.progress(prompt_id, LOAD_BAR)):
         assert time.monotonic() < deadline, "no load progress seen"
         time.sleep(0.05)
+    sends = server.get("/parallel/status")["weight_sends"]
     server.interrupt()
+    pressed = time.monotonic()
     with pytest.raises(PromptFailed) as info:
         server.wait(prompt_id, timeout=120)
+    ended_s = time.monotonic() - pressed
     assert any(m[0] == "execution_interrupted" for m in info.value.status.get("messages", []))
     status = server.get("/parallel/status")
-    assert all(r["alive"] for r in status["ranks"])
-    sends = status["weight_sends"]
+    print(f"Cancel during the load: the prompt ended {ended_s:.1f} s later; weight sends {sends} -> "
+          f"{status['weight_sends']}")
+    assert status["state"] == "ready" and all(r["alive"] for r in status["ranks"])
+    if records_files(Path(comfyui_path)):  # the workers were reading: they stopped, keeping nothing
+        assert status["weight_sends"] == sends and all(r["load"] is None for r in status["ranks"][1:])
     server.run(edited(tp2, KSampler={"seed": 73}), timeout=300)
-    assert server.get("/parallel/status")["weight_sends"] == sends
+    assert server.get("/parallel/status")["weight_sends"] == status["weight_sends"] + 1

@@ -226,6 +226,19 @@ def test_status_shows_every_ranks_current_and_peak_memory(remote_world, monkeypa
     assert one["uss_peak_bytes"] is None and one["host_pinned_bytes"] == 64 * MB and one["host_kept_bytes"] == 0
 
 
+def test_a_cpu_worker_shows_no_gpu_figures_before_its_first_report(remote_world):
+    """A local CPU worker's row of the shared table is zeros until its first full report (during its
+    first load it writes only its progress): the route says no GPU, not a GPU holding 0 bytes."""
+    import torch
+
+    world, _ = remote_world
+    worker = world.workers[0]
+    worker.host, worker.device = None, "cpu"
+    world._status_table = torch.zeros(2, len(protocol.STATUS_FIELDS), dtype=torch.float64)
+    one = world.status()["ranks"][1]
+    assert one["gpu_allocated_bytes"] is None and one["gpu_reserved_bytes"] is None
+
+
 def test_the_headless_client_summarises_every_rank():
     from headless import rank_summary
 

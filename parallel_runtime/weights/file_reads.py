@@ -161,12 +161,15 @@ def reusable(held: dict, path: str, keys: dict, tp: tuple, slots: list[torch.Ten
 
 
 def read_into(path: str, keys: dict[int, str], entries, slots: list[torch.Tensor], tp: tuple[int, int],
-              progress=None) -> None:
-    """Fill ``slots[i]`` for every slot ``keys`` names from the file (a worker's side)."""
+              progress=None, stop=None) -> bool:
+    """Fill ``slots[i]`` for every slot ``keys`` names from the file (a worker's side). ``stop()``,
+    asked before each tensor, ends the reads early (Cancel): False then, True when all were read."""
     tp_rank, tp_size = tp
     slow_s = float(os.environ.get(SLOW_ENV, "0") or 0) / 1e3
     with safe_open(path, framework="pt") as handle:
         for index, key in sorted(keys.items()):
+            if stop is not None and stop():
+                return False
             if slow_s:
                 time.sleep(slow_s)
             index = int(index)
@@ -178,3 +181,4 @@ def read_into(path: str, keys: dict[int, str], entries, slots: list[torch.Tensor
             READ_BYTES.total += slot.numel() * slot.element_size()
             if progress is not None:
                 progress(slot.numel() * slot.element_size())
+    return True

@@ -119,6 +119,11 @@ class _Copy:
     send: dict | None = None  # how its weights came: the send's figures (``last_send``), with the model's name
 
 
+class LoadStopped(RuntimeError):
+    """Cancel was pressed while a model's weights were loading: the workers stopped reading and no
+    rank holds the model (the world stays up; the next run loads it again)."""
+
+
 class ModelCopies:
     def __init__(self, world):
         self._world = weakref.ref(world)
@@ -194,9 +199,7 @@ class ModelCopies:
             else:
                 run_module = self._send_stream(module, plan, source, key, tp, coords)
             sources.finish_offload(module)  # what the stream did not move (packed tensors, the shared path)
-            deadline = time.monotonic() + world.startup_timeout
-            for w in world.workers:
-                world.expect(w, "loaded", deadline, patient=True)
+            self._await_loaded(key)
         comm.HOST.clear()  # the send's staging buffers (pinned with gloo on CUDA): a model's worth otherwise
         nbytes = pickling.param_bytes(run_module)
         elapsed = time.perf_counter() - started
@@ -212,6 +215,26 @@ class ModelCopies:
         log.info("sent %s (%.1f MB on rank 0%s) to %d workers by %s in %.2fs", type(module).__name__, nbytes / 1e6,
                  f", tensor parallel {tp}" if tp > 1 else "", len(world.workers), self.transport, elapsed)
         return key, run_module
+
+    def _await_loaded(self, key: str) -> None:
+        """Every worker's answer to the send of ``key``. Cancel pressed meanwhile (the world's
+        ``load_cancelled``) stops the workers' file reads (``world.stop_loads``): a worker that
+        stopped holds nothing of the model, and then no rank does (``LoadStopped``)."""
+        world = self.world
+        deadline = time.monotonic() + world.startup_timeout
+        stopped = []
+
+        def waiting():
+            if not stopped and world.load_cancelled():
+                world.stop_loads()
+                stopped.append(True)
+        answers = [world.expect(w, ("loaded", "load_stopped"), deadline, patient=True, waiting=waiting)[0]
+                   for w in world.workers]
+        if "load_stopped" in answers:
+            self._drop_everywhere(key)
+            comm.HOST.clear()
+            raise LoadStopped(f"Cancel stopped the load of {key}'s weights ({answers.count('load_stopped')} of "
+                              f"{len(answers)} workers were still reading them); no rank holds the model")
 
     def _weight_of(self, module, source, device):
         if source is None:

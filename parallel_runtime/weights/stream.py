@@ -126,6 +126,10 @@ class LoadProgress:
     def finish(self) -> None:
         self.done = self.total
 
+    def abandon(self) -> None:
+        """The load was stopped: nothing of it is held (the status shows no load)."""
+        self.done = self.total = 0
+
 
 LOAD = LoadProgress()
 

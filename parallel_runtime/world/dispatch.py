@@ -28,6 +28,7 @@ from ..parallel.cfg import batch_of
 from ..parallel.execution import check_arguments, run_sharded
 from ..plans import PATCH_MODEL_PLAN, Plan
 from ..weights import pickling
+from ..weights.model_copies import LoadStopped
 from ..weights.shards import named_tensors
 
 log = logging.getLogger("parallel")
@@ -143,6 +144,8 @@ class Dispatch:
             if self.copies.sends != sends:  # this forward carried a model to the ranks
                 self.copies.last_send["forward_s"] = round(time.perf_counter() - call.t0, 3)
             return out
+        except LoadStopped:
+            raise  # Cancel during the load: every rank dropped the model, the world stays up
         except BaseException as exc:
             mesh = None  # noqa: F841  (this frame must not keep the subgroups open through the shutdown)
             failure = self._fail(exc)

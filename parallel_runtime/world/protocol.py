@@ -42,12 +42,14 @@ PATCH_KEYS = ("optimized_attention_override",)
 STATUS_FIELDS = ("last_forward_ms", "param_bytes", "forwards", "progress", "gpu_allocated", "gpu_reserved",
                  "compiling", "compiles", "recompiles", "compile_cache_hits", "compile_cache_misses",
                  "gpu_peak_allocated", "gpu_peak_reserved", "rss_peak", "uss_peak", "host_pinned", "host_kept",
-                 "load_done", "load_total", "file_read_bytes", "loads")
+                 "load_done", "load_total", "file_read_bytes", "loads", "load_stops")
 COMPILE_FIELDS = slice(6, 11)  # compile_regions.CompileWatch.row()
 MEMORY_FIELDS = slice(11, 17)  # the fields above from gpu_peak_allocated on, memory.PeakMemory.row()
 # weights.stream.LOAD's bytes done and total, weights.file_reads.READ_BYTES, and LOAD.loads (which
 # load the bytes belong to: world/load_progress.py)
 LOAD_FIELDS = slice(17, 21)
+# Rank 0's row only: how many loads Cancel stopped; a worker reading from a file stops when it grows.
+LOAD_STOPS_FIELD = 21
 
 
 def load_status(done: float, total: float, read: float, loads: float, via: str) -> dict | None:

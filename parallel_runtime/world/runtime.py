@@ -29,6 +29,7 @@ class Runtime:
         self.first_step_check: dict | None = None  # the last first-step check's findings (comfyui_glue)
         self.block_cache = None  # () -> Block Cache's steps per prompt (comfyui_glue.cached_steps.counts)
         self.on_load = None  # () -> a listener of a weight load's progress (comfyui_glue.load_bar: ComfyUI's bar)
+        self.load_cancelled = None  # () -> Cancel was pressed: a load under way stops (comfyui_glue.interrupts)
 
     def world_for(self, config: ParallelConfig):
         with self._lock:
@@ -47,7 +48,8 @@ class Runtime:
                 if lost is not None:  # this prompt fails; the next one starts fresh workers
                     raise WorkerFailure(lost)
             log.info("starting parallel world: %s", config.describe())
-            self._world = World(config, comfyui_path=self.comfyui_path, on_load=self.on_load).start()
+            self._world = World(config, comfyui_path=self.comfyui_path, on_load=self.on_load,
+                                 load_cancelled=self.load_cancelled).start()
             return self._world
 
     @property

@@ -251,6 +251,7 @@ class _Server:
         ``reads`` names (``(path, {slot: key})``), from the checkpoint file (weights/file_reads.py)."""
         held = self.read_slots.pop(key, {})  # what the old version read from the file, kept where unchanged
         self._drop(key)  # free the old copy before the new one takes device memory
+        stops = self._load_stops()  # before rank 0 can stop this load: it streams first
         tp_rank, tp_size = tp
         entries = [stream.Entry.from_wire(item) for item in wire]
         slots = stream.allocate(entries, tp_size, self.device)
@@ -263,8 +264,14 @@ class _Server:
             for index, tensor in kept.items():
                 slots[index] = tensor
                 stream.LOAD.add(tensor.numel() * tensor.element_size())
-            file_reads.read_into(path, {i: k for i, k in keys.items() if int(i) not in kept}, entries, slots, tp,
-                                 progress=stream.LOAD.add)
+            if not file_reads.read_into(path, {i: k for i, k in keys.items() if int(i) not in kept}, entries, slots,
+                                        tp, progress=stream.LOAD.add, stop=lambda: self._load_stops() != stops):
+                del slots, held, kept  # nothing of the model stays
+                stream.LOAD.abandon()
+                comm.HOST.clear()
+                self._publish(param_bytes=pickling.param_bytes_all(m for m, _ in self.models.values()))
+                self.conn.send(("load_stopped", key))
+                return
             comm.synchronize(self.device)
             self.read_slots[key] = {int(i): (path, k, tuple(tp), slots[int(i)]) for i, k in keys.items()}
         del held
@@ -278,6 +285,10 @@ class _Server:
         self.models[key] = (module, plan)
         comm.HOST.clear()  # the send's staging buffers (pinned with gloo on CUDA)
         self._loaded(key)
+
+    def _load_stops(self) -> float:
+        """Loads rank 0 stopped (Cancel), from its row of the shared table (none seen on another host)."""
+        return float(self.status_table[0, protocol.LOAD_STOPS_FIELD])
 
     def _loaded(self, key: str) -> None:
         self._publish(param_bytes=pickling.param_bytes_all(m for m, _ in self.models.values()))

@@ -62,9 +62,10 @@ class World(Dispatch):
     """One running set of ranks for one ParallelConfig."""
 
     def __init__(self, config: ParallelConfig, comfyui_path: str | None = None, comfy_args: dict | None = None,
-                 on_load=None):
+                 on_load=None, load_cancelled=None):
         self.config = config
         self.on_load = on_load  # () -> a listener of one load's progress (load_progress.watching)
+        self.load_cancelled = load_cancelled or (lambda: False)  # () -> Cancel was pressed (ComfyUI's flag)
         self.layout = MeshLayout.from_sizes(config.mesh_sizes)
         self.world_size = config.world_size
         self.comfyui_path = comfyui_path or _guess_comfyui_path()
@@ -215,18 +216,21 @@ class World(Dispatch):
                 raise WorldStartError(f"ranks {sorted(pending)} did not connect within {settings.STARTUP_TIMEOUT_S:.0f}s")
             time.sleep(0.02)
 
-    def expect(self, w: _Worker, kind: str, deadline: float, patient: bool = False):
-        """The next message of ``w``, which must be ``kind`` ("stats" reports are taken in passing).
-        ``patient``: while the world progresses (a worker reading a big checkpoint cold ticks its
-        progress per tensor) the deadline moves on by the start-up timeout: a long load is no hang."""
+    def expect(self, w: _Worker, kind: str | tuple[str, ...], deadline: float, patient: bool = False,
+               waiting=None):
+        """The next message of ``w``, which must be ``kind`` (or one of them; "stats" reports are taken
+        in passing). ``patient``: while the world progresses (a worker reading a big checkpoint cold
+        ticks its progress per tensor) the deadline moves on by the start-up timeout: a long load is
+        no hang. ``waiting()`` is called every 50 ms without an answer."""
         progress = self._progress() if patient else None
+        kinds = (kind,) if isinstance(kind, str) else kind
         while True:
             try:
                 msg = w.recv(0.05)
             except (EOFError, OSError):
                 raise WorkerFailure(self._death_report(w))
             if msg is not None:
-                if msg[0] == kind:
+                if msg[0] in kinds:
                     return msg
                 if msg[0] == "stats":
                     w.stats = msg[1]
@@ -237,6 +241,8 @@ class World(Dispatch):
                 raise WorldStartError(f"rank {w.rank} answered {msg[0]!r} where {kind!r} was expected")
             if not w.alive:
                 raise WorkerFailure(self._death_report(w))
+            if waiting is not None:
+                waiting()
             if patient and self._progress() != progress:
                 progress, deadline = self._progress(), time.monotonic() + self.startup_timeout
             if time.monotonic() > deadline:
@@ -433,6 +439,11 @@ class World(Dispatch):
         """Every rank's ``protocol.LOAD_FIELDS``, rank 0 first."""
         return [_own_load()] + [_load_of(self._row_of(w)) for w in self.workers]
 
+    def stop_loads(self) -> None:
+        """Workers reading weights from a file stop (they watch rank 0's row of the shared table)."""
+        if self._status_table is not None:
+            self._status_table[0, protocol.LOAD_STOPS_FIELD] += 1
+
     def loading(self):
         """The block sends a model to the ranks: ``on_load`` hears how far (load_progress.py)."""
         return load_progress.watching(self.load_rows, self.on_load)
@@ -457,7 +468,9 @@ class World(Dispatch):
                 row = self._row_of(w)
                 last_ms = row[0] if row[2] > 0 else None
                 nbytes, forwards = int(row[1]), int(row[2])
-                gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 else (None, None)
+                # A CPU rank's row holds zeros there until its first full report (during its first load).
+                gpu = (row[4], row[5]) if len(row) > 5 and row[4] >= 0 and device_type(device) in ("cuda", None) \
+                    else (None, None)
                 compiling, compiles, recompiles, hits, misses = row[protocol.COMPILE_FIELDS]
                 load = _load_of(row)
                 peaks = figures_from_row(row)
