@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..vocabulary.vae import TORCH_ROW_LOCAL, AttentionSite, PaddedConv, VaePlan
 from .kl import KL_DOWNSAMPLE, KL_MODEL, kl_encode_rows
 
+
 def _video_conv_rows(conv) -> tuple[int, int]:
     pad = conv.padding
     return (int(pad[2]), int(pad[3])) if isinstance(pad, (tuple, list)) else (0, 0)
@@ -17,8 +18,8 @@ def _is_video_conv(module) -> bool:
 
 
 # ``conv_carry_causal_3d`` pads by replication; a 1x1x1 CarriedConv3d (nin_shortcut) is called directly.
-CARRIED_CONV = PaddedConv(f"{KL_MODEL}.CarriedConv3d", "conv", lambda m: (1, 1) if m.conv.kernel_size[-2] > 1 else (0, 0),
-                           mode=lambda m: "replicate")
+CARRIED_CONV = PaddedConv(f"{KL_MODEL}.CarriedConv3d", "conv",
+                          lambda m: (1, 1) if m.conv.kernel_size[-2] > 1 else (0, 0), mode=lambda m: "replicate")
 
 
 HUNYUAN_VIDEO = VaePlan(

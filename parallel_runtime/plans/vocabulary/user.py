@@ -1,9 +1,9 @@
 """User plans: plans for model classes the pack does not ship, written by a user in plan files.
 
 A plan file is Python that sets ``PLAN`` (or ``PLANS``, a tuple) to a ``ModelPlan`` (a
-``TransformerPlan``) built from the same vocabulary as the built-in plans, which the file finds already defined (``VOCABULARY``: no
-import of the pack is needed, nor possible, since the pack's package name depends on the folder
-it was cloned into). docs/user_plans.md has an example and the rules.
+``TransformerPlan``) built from the same vocabulary as the built-in plans, which the file finds
+already defined (``VOCABULARY``: no import of the pack is needed, nor possible, since the pack's
+package name depends on the folder it was cloned into). docs/user_plans.md has an example and the rules.
 
 - The pack reads every ``*.py`` of the plan folders it is given (``refresh``; the folders come from
   ``comfyui_glue/user_plans.py``), again when a file changes, so a new plan needs no restart.

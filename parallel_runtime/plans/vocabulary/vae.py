@@ -24,7 +24,6 @@ way for every family):
   norms): exact on any band whose edges are aligned to the sampling factors.
   A model holding any class the plan does not name is refused, so a variant
   with an unknown layer cannot be decoded silently wrong.
-
 - ``call_globals``: module globals set for the call (LTX sizes its time chunks
   from the tensor it holds; on bands of different heights the ranks would chunk
   differently, so every band runs unchunked, as one chunk).
@@ -113,7 +112,6 @@ class VaePlan(Plan):
 
     def known(self) -> frozenset[str]:
         return frozenset((*self.row_local, *(a.owner for a in self.attention), *(p.owner for p in self.padded)))
-
 
 
 def _qualified(cls: type) -> str:
