@@ -113,10 +113,11 @@ KIND_WORDS = {"transformer", "vae", "encoder", "text_encoder", "patch"}
 
 
 def plan_types() -> list[type]:
+    """The plan types of the runtime (subclasses of ``Plan`` in its modules)."""
     found, todo = [], [Plan]
     while todo:
         cls = todo.pop()
-        found += cls.__subclasses__()
+        found += [sub for sub in cls.__subclasses__() if sub.__module__.startswith("parallel_runtime.plans.")]
         todo += cls.__subclasses__()
     return found
 
@@ -134,15 +135,16 @@ def unused_fields(cls: type, sources: dict) -> list[str]:
 
 
 def kind_decisions(text: str, path: str = "") -> list[str]:
-    """Where code compares a plan's kind (``plan.kind``, or a kind word like "vae") or tells plan
-    types apart with isinstance (user plan files excepted: that is checking what a user wrote)."""
+    """Where code compares a plan's kind (``plan.kind``, or a ``kind`` with a word like "vae") or tells
+    plan types apart with isinstance (user plan files excepted: that is checking what a user wrote)."""
     names = {cls.__name__ for cls in plan_types()}
     found = []
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Compare):
             parts = [node.left, *node.comparators]
             kind = [p for p in parts if isinstance(p, ast.Attribute) and p.attr == "kind" and "plan" in ast.unparse(p)]
-            words = [p for p in ast.walk(node) if isinstance(p, ast.Constant) and p.value in KIND_WORDS]
+            words = [p for p in ast.walk(node) if isinstance(p, ast.Constant) and p.value in KIND_WORDS
+                     and "kind" in ast.unparse(node)]
             if kind or words:
                 found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
