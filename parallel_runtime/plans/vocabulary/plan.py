@@ -16,8 +16,9 @@ class Plan:
     title: str   # what users call it, e.g. "Wan 2.1 / 2.2"
 
     # A forward runs in the Parallel Config's layout (cfg x ring x ulysses x tp, or the one layout auto
-    # picks): layout auto measures it, a cfg dimension without a batch to split is reported. Otherwise
-    # it runs over the ranks its node chose (a text encoder's TP group, a VAE's bands over the world).
+    # picks): layout auto measures it, the status shows each rank's share of its heads, a cfg dimension
+    # without a batch to split is reported. Otherwise it runs over the ranks its node chose (a text
+    # encoder's TP group, a VAE's bands over the world).
     configured_layout: ClassVar[bool] = False
     # Its forward takes ComfyUI's ``transformer_options`` (model patches, the attention override).
     takes_transformer_options: ClassVar[bool] = False
