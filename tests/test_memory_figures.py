@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from parallel_runtime.distributed import comm
+from parallel_runtime.distributed import comm, messages
 from parallel_runtime.world import memory, protocol
 from parallel_runtime.config import HostDevices, build_config
 from parallel_runtime.world.world import World
@@ -64,10 +64,10 @@ def test_a_worker_releasing_its_models_empties_its_pool(monkeypatch):
     cycle(pool, MB)
     assert pool.pinned_bytes == MB
     sent = []
-    server = types.SimpleNamespace(models={}, read_slots={}, status_table=None,
-                                   conn=types.SimpleNamespace(send=sent.append), rank=1, stop_progress=lambda: None)
+    server = types.SimpleNamespace(models={}, read_slots={}, status_table=None, send=sent.append, rank=1,
+                                   stop_progress=lambda: None)
     _Server.release(server)
-    assert sent == [("released", 1)] and pool.pinned_bytes == 0 and pool.kept_bytes == 0
+    assert sent == [messages.Released(1)] and pool.pinned_bytes == 0 and pool.kept_bytes == 0
 
 
 def test_cpu_exchange_buffers_are_reused_apart_from_the_staging_figures(monkeypatch):
@@ -88,8 +88,8 @@ def test_cpu_exchange_buffers_are_reused_apart_from_the_staging_figures(monkeypa
     comm.release_exchange_buffer(again)
     comm.release_exchange_buffer(other)
     assert pool.kept_bytes == 2 * 24 * 4 and comm.HOST.kept_bytes == 0 and pool.pinned_total == 0
-    server = types.SimpleNamespace(models={}, read_slots={}, status_table=None,
-                                   conn=types.SimpleNamespace(send=lambda m: None), rank=1, stop_progress=lambda: None)
+    server = types.SimpleNamespace(models={}, read_slots={}, status_table=None, send=lambda m: None, rank=1,
+                                   stop_progress=lambda: None)
     _Server.release(server)
     assert pool.kept_bytes == 0
 
@@ -210,7 +210,7 @@ def test_status_shows_every_ranks_current_and_peak_memory(remote_world, monkeypa
     row = [0.0] * len(protocol.STATUS_FIELDS)
     row[4], row[5] = 3e9, 4e9
     row[protocol.MEMORY_FIELDS] = [5e9, 6e9, 2e9, -1, 64 * MB, 0]
-    theirs.send(("stats", row + [1.5e9]))  # a worker on another host: its row, then its RSS
+    theirs.send(messages.wire(messages.Stats(row + [1.5e9])))  # a worker on another host: its row, then its RSS
     status = world.status()
     assert status["peaks_prompt"] == "prompt-7"
     zero, one = status["ranks"]

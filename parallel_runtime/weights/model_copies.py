@@ -37,7 +37,7 @@ import torch
 
 from . import file_reads, quantized, sources, packed, pickling, stream
 from .shards import build_shard, cut_plan, finish_shard, named_tensors
-from ..distributed import comm
+from ..distributed import comm, messages
 from ..plans import Plan, plan_wire
 
 log = logging.getLogger("parallel")
@@ -228,13 +228,14 @@ class ModelCopies:
             if not stopped and world.load_cancelled():
                 world.stop_loads()
                 stopped.append(True)
-        answers = [world.expect(w, ("loaded", "load_stopped"), deadline, patient=True, waiting=waiting)[0]
+        answers = [world.expect(w, (messages.Loaded, messages.LoadHalted), deadline, patient=True, waiting=waiting)
                    for w in world.workers]
-        if "load_stopped" in answers:
+        halted = sum(isinstance(a, messages.LoadHalted) for a in answers)
+        if halted:
             self._drop_everywhere(key)
             comm.HOST.clear()
-            raise LoadStopped(f"Cancel stopped the load of {key}'s weights ({answers.count('load_stopped')} of "
-                              f"{len(answers)} workers were still reading them); no rank holds the model")
+            raise LoadStopped(f"Cancel stopped the load of {key}'s weights ({halted} of {len(answers)} workers were "
+                              "still reading them); no rank holds the model")
 
     def _weight_of(self, module, source, device):
         if source is None:
@@ -272,8 +273,8 @@ class ModelCopies:
             target = target_of(w.rank)
             # One pickle per receiver: each pickle takes a reference on the shared files that
             # its receiver releases, so one pickle read by several workers would let them vanish.
-            w.conn.send(("load", key, plan_wire(plan),
-                         pickling.pack_module(target, module_state=sources.worker_module_state)))
+            w.send(messages.Load(key, plan_wire(plan),
+                                pickling.pack_module(target, module_state=sources.worker_module_state)))
             w.storages[key] = pickling.shared_storages(target)  # given back if this worker dies
             stream.LOAD.add(pickling.param_bytes(target))
         return run_module
@@ -292,8 +293,8 @@ class ModelCopies:
                    for i, e in enumerate(_stream_entries(tensors, packed_slots, parts, forms, cuts))]
         wire = [e.wire() for e in entries]
         for w in world.workers:
-            w.conn.send(("load_stream", key, plan_wire(plan), data, wire, (coords[w.rank], tp), self.transport,
-                         stream.BUCKET_BYTES, reads.wire()))
+            w.send(messages.LoadStream(key, plan_wire(plan), data, wire, (coords[w.rank], tp), self.transport,
+                                      stream.BUCKET_BYTES, reads.wire()))
         self.last_reads = {"file": reads.path and os.path.basename(reads.path), "tensors": len(reads.keys),
                            "bytes_per_worker": [sum(entries[i].local_nbytes(tp) for i in reads.keys)
                                                 for _ in world.workers],
@@ -385,12 +386,12 @@ class ModelCopies:
 
         def send(payloads, bucket):
             for w in world.workers:
-                w.conn.send(("bucket", bucket if payloads is None else payloads[w.rank]))
+                w.send(messages.Bucket(bucket if payloads is None else payloads[w.rank]))
 
         def confirm():
             deadline = time.monotonic() + world.startup_timeout
             for w in world.workers:
-                world.expect(w, "bucket_done", deadline)
+                world.expect(w, messages.BucketDone, deadline)
         return stream.HandleChannel(send=send, confirm=confirm)
 
     # ------------------------------------------------------------ release
@@ -415,7 +416,7 @@ class ModelCopies:
             return
         for w in world.workers:
             try:
-                w.conn.send(("drop", key))
+                w.send(messages.Drop(key))
                 w.storages.pop(key, None)
             except (OSError, EOFError):
                 pass

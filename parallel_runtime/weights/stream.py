@@ -174,12 +174,13 @@ class HandleChannel:
     """Buckets as IPC handles over the control connections (one host, no NCCL).
 
     Rank 0 side: ``send(rank, tensor)`` delivers a handle, ``confirm()`` waits until every
-    worker copied the bucket (so rank 0 may free it). Worker side: ``conn`` to rank 0."""
+    worker copied the bucket (so rank 0 may free it). Worker side: ``receive()`` gives the next
+    bucket, ``received()`` tells rank 0 it was copied."""
 
     shares_buckets = True  # a handle exposes the bucket's whole storage: never a tensor of the model's
 
-    def __init__(self, send=None, confirm=None, conn=None):
-        self._send, self._confirm, self._conn = send, confirm, conn
+    def __init__(self, send=None, confirm=None, receive=None, received=None):
+        self._send, self._confirm, self._receive, self._received = send, confirm, receive, received
 
     def ring(self, nbytes: int, device) -> None:
         return None  # nothing is staged: each bucket is handed over where it is
@@ -192,19 +193,13 @@ class HandleChannel:
         self._send(payloads, None)
         self._confirm()
 
-    def _recv(self) -> torch.Tensor:
-        kind, bucket = self._conn.recv()
-        if kind != "bucket":
-            raise RuntimeError(f"weight stream: expected a bucket from rank 0, got {kind!r}")
-        return bucket
-
     def recv_broadcast(self, nbytes: int, device) -> torch.Tensor:
-        return self._recv()
+        return self._receive()
 
     recv_scatter = recv_broadcast
 
     def received(self) -> None:
-        self._conn.send(("bucket_done",))
+        self._received()
 
 
 # ---------------------------------------------------------------- both ends

@@ -18,6 +18,7 @@ from multiprocessing.connection import Client
 
 from .spawn import PACK_ROOT, start_worker
 from ..config import CLUSTER_KEY_ENV, cluster_key_problem
+from ..distributed import messages
 from ..comfyui_location import comfyui_path as find_comfyui
 
 try:
@@ -52,7 +53,7 @@ def connect(address: str, key: bytes, name: str, info: dict):
     while True:
         try:
             conn = Client((host.strip("[]"), int(port)), family="AF_INET", authkey=key)
-            conn.send(("agent", name, info))
+            conn.send(messages.wire(messages.AgentHello(name, info)))
             return conn
         except (ConnectionError, OSError) as exc:
             log(f"waiting for ComfyUI on {address} ({exc.__class__.__name__})")
@@ -79,16 +80,15 @@ def main() -> int:
         workers: list[subprocess.Popen] = []
         try:
             while True:
-                kind, *payload = conn.recv()
-                if kind == "spawn":
-                    for slot, boot in enumerate(payload[0]):
+                msg = messages.unwire(conn.recv())
+                if isinstance(msg, messages.Spawn):
+                    workers = [w for w in workers if w.poll() is None]  # those of an earlier world that exited
+                    for slot, boot in enumerate(msg.boots):
                         boot.update(comfyui_path=root, pack_root=str(PACK_ROOT), parent_pid=os.getpid())
                         boot["devices"][boot["rank"]] = devices[slot]
                         proc = start_worker(boot, root)
                         workers.append(proc)
                         log(f"started rank {boot['rank']} on {devices[slot]} (pid {proc.pid})")
-                elif kind == "reap":
-                    workers = [w for w in workers if w.poll() is None]
         except (EOFError, OSError):
             log("ComfyUI went away")
         finally:

@@ -18,6 +18,7 @@ import time
 from multiprocessing.connection import Listener
 
 from ..config import CLUSTER_KEY_ENV as KEY_ENV, cluster_key_problem
+from ..distributed import messages
 
 log = logging.getLogger("parallel")
 
@@ -54,21 +55,22 @@ class ClusterListener:
         while not self._closed:
             try:
                 conn = self._listener.accept()
-                kind, name, info = conn.recv()
+                msg = messages.unwire(conn.recv())
             except Exception:  # a wrong key or a broken handshake: refuse that one, keep listening
                 if self._closed:
                     return
                 log.warning("refused a connection on %s (wrong %s?)", self.address, KEY_ENV)
                 continue
-            if kind != "agent":
+            if not isinstance(msg, messages.AgentHello):
                 conn.close()
                 continue
+            name = msg.name
             with self._lock:
                 old = self._agents.pop(name, None)
                 if old is not None:
                     old[0].close()
-                self._agents[name] = (conn, info)
-            log.info("remote host %s joined (%s)", name, info)
+                self._agents[name] = (conn, msg.info)
+            log.info("remote host %s joined (%s)", name, msg.info)
 
     def agent(self, name: str, timeout: float):
         """The connection of host ``name``'s agent, waiting for it to join."""

@@ -20,7 +20,7 @@ from . import memory, protocol, settings
 from .watchdog import SectionStopped
 from .workers import WorkerFailure
 from ..config import MESH_DIMS, describe_sizes
-from ..distributed import comm
+from ..distributed import comm, messages
 from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout.auto import calibrate
 from ..parallel import arguments, compile_regions, model_patches
@@ -74,8 +74,8 @@ class Dispatch:
         key = self.copies.key_of(module)
         deadline = time.monotonic() + self.startup_timeout
         for w in self.workers:
-            w.conn.send(("digest", key))
-            out[w.rank] = self.expect(w, "digest", deadline)[1]
+            w.send(messages.Digest(key))
+            out[w.rank] = self.expect(w, messages.Digests, deadline).digests
         return out
 
     def release_free_heap(self) -> None:
@@ -84,9 +84,9 @@ class Dispatch:
         memory.release_free_heap()
         deadline = time.monotonic() + self.startup_timeout
         for w in self.workers:
-            w.conn.send(("trim",))
+            w.send(messages.Trim())
         for w in self.workers:
-            self.expect(w, "trimmed", deadline)
+            self.expect(w, messages.Trimmed, deadline)
 
     # ---------------------------------------------------------------- forward
     def forward(self, module: torch.nn.Module, plan: Plan, method, args: tuple, kwargs: dict, source=None,
@@ -136,8 +136,8 @@ class Dispatch:
                 # what they were loaded into: in the arenas of ComfyUI's prompt thread glibc keeps
                 # those pages (measured: half a model's worth under Ulysses 2) unless trimmed.
                 memory.release_free_heap(collect=False)
-            out = self._run_everywhere(call, module, method, key, run_module, mesh, distributed_attention, compile,
-                                       weights, (chunks, overlap), patch_keys)
+            run = messages.RunSettings(distributed_attention, compile, list(call.layout.sizes), weights, (chunks, overlap))
+            out = self._run_everywhere(call, module, method, key, run_module, mesh, run, patch_keys)
             if self.first_forward is None:
                 self.first_forward = {"seconds": round(time.perf_counter() - call.t0, 3),
                                       "after_ready_s": round(time.monotonic() - self.ready_at, 3)}
@@ -181,8 +181,8 @@ class Dispatch:
         return _Call(plan, method_name, bound, trial, layout or self.layout, spec, tensors,
                      protocol.tensor_meta(tensors), patch_models, t0, time.perf_counter())
 
-    def _run_everywhere(self, call: "_Call", module, method, key, run_module, mesh, distributed_attention, compile,
-                        weights, ulysses, patch_keys):
+    def _run_everywhere(self, call: "_Call", module, method, key, run_module, mesh, run: messages.RunSettings,
+                        patch_keys):
         """The guarded section: the workers get the call and the inputs, rank 0 runs its part."""
         started = time.perf_counter()
         try:
@@ -190,8 +190,7 @@ class Dispatch:
                 prompt = memory.current_prompt()  # a new prompt resets every rank's memory peaks
                 memory.PEAKS.begin(prompt, self.device)
                 for w in self.workers:
-                    w.conn.send(("forward", key, call.method_name, call.spec, call.meta, distributed_attention,
-                                 compile, list(call.layout.sizes), weights, ulysses, prompt, patch_keys))
+                    w.send(messages.Forward(key, call.method_name, call.spec, call.meta, run, prompt, patch_keys))
                 t_sent = time.perf_counter()
                 protocol.broadcast_tensors(call.tensors, call.meta, self.device)
                 t_broadcast = time.perf_counter()
@@ -203,11 +202,11 @@ class Dispatch:
                 # With TP rank 0 runs its shard; ours is the innermost wrapper, so calling the
                 # shard's method directly is what the wrapper chain would have done.
                 own = _method_of(run_module, call.method_name)
-                with compile_regions.watched(compile, (key, repr(call.layout.sizes)), call.meta):
+                with compile_regions.watched(run.compile, (key, repr(call.layout.sizes)), call.meta):
                     out = run_sharded(run_module, call.plan, mesh, method if run_module is module else own, own,
-                                      call.bound.args, call.bound.kwargs, distributed_attention=distributed_attention,
-                                      compile=compile, weights=weights, ulysses=ulysses,
-                                      patch_models=call.patch_models)
+                                      call.bound.args, call.bound.kwargs,
+                                      distributed_attention=run.distributed_attention, compile=run.compile,
+                                      weights=run.weights, ulysses=run.ulysses, patch_models=call.patch_models)
                 comm.synchronize(self.device)  # a step's time, not the time to queue its kernels
         except BaseException:
             # The traceback keeps this frame: it must not keep the subgroups open through the shutdown
@@ -239,11 +238,11 @@ class Dispatch:
         """Every rank times attention and a matmul at a run's size at once (layout/auto.py: calibrate)."""
         with self.watchdog.guard("layout timings", settings.STARTUP_TIMEOUT_S):
             for w in self.workers:
-                w.conn.send(("calibrate", run, layouts))
+                w.send(messages.Calibrate(run, layouts))
             with self._threads():
                 mine = calibrate(run, layouts, self.device)
             deadline = time.monotonic() + settings.STARTUP_TIMEOUT_S
-            return [mine] + [self.expect(w, "calibrate", deadline)[1] for w in self.workers]
+            return [mine] + [self.expect(w, messages.Timings, deadline).timings for w in self.workers]
 
     def _note_idle_cfg(self, layout: MeshLayout, bound) -> None:
         """A cfg dimension with nothing to split (CFG 1, or cond and uncond run apart) is said in the status."""
@@ -262,7 +261,7 @@ class Dispatch:
         mesh = self.meshes.get(layout.sizes)
         if mesh is None:
             for w in self.workers:
-                w.conn.send(("mesh", list(layout.sizes)))
+                w.send(messages.Mesh(list(layout.sizes)))
             mesh = self.meshes[layout.sizes] = ProcessMesh(layout, 0, self._process_groups)  # every rank, in order
             log.info("parallel world: process groups for layout %s formed", describe_sizes(dict(zip(MESH_DIMS, layout.sizes))))
         return mesh

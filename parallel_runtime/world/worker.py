@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import memory, protocol, settings
 from .memory import keep_freed_heap, release_free_heap
-from ..distributed import comm
+from ..distributed import comm, messages
 from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout import probe
 from ..layout.auto import calibrate
@@ -126,7 +126,7 @@ def run(boot: dict) -> int:
     server = None
     failure = None
     try:
-        conn.send(("hello", rank, os.getpid()))
+        conn.send(messages.wire(messages.Hello(rank, os.getpid())))
         server = _Server(boot, conn)
         server.serve()
     except (EOFError, ConnectionError):
@@ -137,7 +137,7 @@ def run(boot: dict) -> int:
         # Outside the except block: the traceback's frames (which hold the model) are gone,
         # so releasing the shared weights really unmaps them.
         try:
-            conn.send(("error", rank, failure))
+            conn.send(messages.wire(messages.Error(rank, failure)))
             if server is not None:
                 server.release()
         except Exception:
@@ -161,11 +161,11 @@ class _Server:
             torch.set_num_threads(int(boot["threads"]))
         self.heap_kept = self.device.type == "cpu" and keep_freed_heap()
         pickling.use_shared_memory_strategy()
-        kind, table = conn.recv()
-        assert kind == "status_table", kind
+        first = messages.unwire(conn.recv())
+        assert isinstance(first, messages.StatusTable), first
         self.remote = bool(boot.get("remote"))
-        # On another host the table cannot be shared: the row goes to rank 0 in "stats" messages.
-        self.status_table = pickle.loads(table) if table is not None else \
+        # On another host the table cannot be shared: the row goes to rank 0 in Stats messages.
+        self.status_table = pickle.loads(first.table) if first.table is not None else \
             torch.zeros(boot["world_size"], len(protocol.STATUS_FIELDS), dtype=torch.float64)
         timeout = datetime.timedelta(seconds=boot["timeout_s"])
         store = dist.TCPStore(boot["store_host"], boot["store_port"], boot["world_size"], False, timeout=timeout)
@@ -178,7 +178,7 @@ class _Server:
         self.read_slots: dict[str, dict] = {}  # model key -> slot -> (file, key, tp, tensor) read from the file
         self.heap_to_trim = False
         self._publish_progress()
-        conn.send(("ready", self.rank))
+        self.send(messages.Ready(self.rank))
 
     def _publish_progress(self) -> None:
         """Rank 0's watchdog judges a long forward by whether the ranks progress: this rank's count
@@ -206,14 +206,21 @@ class _Server:
             thread.join(5)
         self.stop_progress = stop_publishing
 
+    def send(self, record) -> None:
+        """A message to rank 0 (distributed/messages.py)."""
+        self.conn.send(messages.wire(record))
+
     def serve(self) -> None:
+        handlers = {messages.Load: self.on_load, messages.LoadStream: self.on_load_stream,
+                    messages.Drop: self.on_drop, messages.Digest: self.on_digest, messages.Probe: self.on_probe,
+                    messages.Calibrate: self.on_calibrate, messages.Mesh: self.on_mesh,
+                    messages.Forward: self.on_forward, messages.Trim: self.on_trim, messages.Ping: self.on_ping}
         while True:
             msg = self._next_command()
-            kind = msg[0]
-            if kind == "shutdown":
+            if isinstance(msg, messages.Shutdown):
                 self.release()
                 return
-            getattr(self, "on_" + kind)(*msg[1:])
+            handlers[type(msg)](msg)
 
     def _next_command(self):
         """Rank 0's next message. A CPU rank with a forward's freed heap that waits for it
@@ -221,7 +228,7 @@ class _Server:
         if self.heap_to_trim and not self.conn.poll(settings.IDLE_TRIM_S):
             release_free_heap(collect=False)
             self.heap_to_trim = False
-        return self.conn.recv()
+        return messages.unwire(self.conn.recv())
 
     def release(self) -> None:
         """Unmap the shared weights and the status table, and tell rank 0 so. The progress thread
@@ -232,32 +239,32 @@ class _Server:
         self.status_table = None
         gc.collect()
         comm.clear_pools()  # the staging pool's pinned buffers and the exchange's
-        self.conn.send(("released", self.rank))
+        self.send(messages.Released(self.rank))
 
-    def on_load(self, key: str, plan, data: bytes) -> None:
-        """CPU ranks on one host: map rank 0's shared pages (no copy). ``plan``: ``plans.plan_wire``'s
+    def on_load(self, msg: messages.Load) -> None:
+        """CPU ranks on one host: map rank 0's shared pages (no copy). ``msg.plan``: ``plans.plan_wire``'s
         form (a family name, or a user plan's text)."""
-        self._drop(key)  # release the old weights first
-        module = pickling.unpack_module(data, self.device)
+        self._drop(msg.key)  # release the old weights first
+        module = pickling.unpack_module(msg.data, self.device)
         stream.LOAD.begin(pickling.param_bytes(module))
         stream.LOAD.finish()  # mapped at once
-        self.models[key] = (module, plan_from_wire(plan).for_module(module))
-        self._loaded(key)
+        self.models[msg.key] = (module, plan_from_wire(msg.plan).for_module(module))
+        self._loaded(msg.key)
 
-    def on_load_stream(self, key: str, plan_sent, data: bytes, wire: list, tp: tuple, channel: str,
-                       bucket_bytes: int, reads=None) -> None:
+    def on_load_stream(self, msg: messages.LoadStream) -> None:
         """A skeleton whose slots are allocated here, on this rank's device, at this rank's
         shape, then filled from rank 0's byte stream (weights/stream.py) and, for the slots
         ``reads`` names (``(path, {slot: key})``), from the checkpoint file (weights/file_reads.py)."""
+        key, tp, reads = msg.key, msg.tp, msg.reads
         held = self.read_slots.pop(key, {})  # what the old version read from the file, kept where unchanged
         self._drop(key)  # free the old copy before the new one takes device memory
         stops = self._load_stops()  # before rank 0 can stop this load: it streams first
         tp_rank, tp_size = tp
-        entries = [stream.Entry.from_wire(item) for item in wire]
+        entries = [stream.Entry.from_wire(item) for item in msg.wire]
         slots = stream.allocate(entries, tp_size, self.device)
-        link = stream.ProcessGroupChannel() if channel == "process_group" else \
-            stream.HandleChannel(conn=self.conn)
-        stream.receive(entries, slots, link, self.device, tp_size, bucket_bytes)
+        link = stream.ProcessGroupChannel() if msg.channel == "process_group" else \
+            stream.HandleChannel(receive=self._bucket, received=lambda: self.send(messages.BucketDone()))
+        stream.receive(entries, slots, link, self.device, tp_size, msg.bucket_bytes)
         if reads is not None:
             path, keys = reads
             kept = file_reads.reusable(held, path, keys, tp, slots)
@@ -270,14 +277,14 @@ class _Server:
                 stream.LOAD.abandon()
                 comm.HOST.clear()
                 self._publish(param_bytes=pickling.param_bytes_all(m for m, _ in self.models.values()))
-                self.conn.send(("load_stopped", key))
+                self.send(messages.LoadHalted(key))
                 return
             comm.synchronize(self.device)
             self.read_slots[key] = {int(i): (path, k, tuple(tp), slots[int(i)]) for i, k in keys.items()}
         del held
         # Filled first: a tensor rebuilt around its slots may copy them (ComfyUI's QuantizedTensor).
-        module = pickling.unpack_skeleton(data, slots)
-        plan = plan_from_wire(plan_sent).for_module(module)
+        module = pickling.unpack_skeleton(msg.data, slots)
+        plan = plan_from_wire(msg.plan).for_module(module)
         if tp_size > 1:
             finish_shard(module, plan.tensor_parallel, tp_rank, tp_size)
         module.to(self.device)  # anything the skeleton carried by value
@@ -286,13 +293,20 @@ class _Server:
         comm.HOST.clear()  # the send's staging buffers (pinned with gloo on CUDA)
         self._loaded(key)
 
+    def _bucket(self):
+        """The next bucket of a stream sent by handles."""
+        msg = messages.unwire(self.conn.recv())
+        if not isinstance(msg, messages.Bucket):
+            raise RuntimeError(f"weight stream: expected a bucket from rank 0, got {type(msg).__name__}")
+        return msg.payload
+
     def _load_stops(self) -> float:
         """Loads rank 0 stopped (Cancel), from its row of the shared table (none seen on another host)."""
         return float(self.status_table[0, protocol.LOAD_STOPS_FIELD])
 
     def _loaded(self, key: str) -> None:
         self._publish(param_bytes=pickling.param_bytes_all(m for m, _ in self.models.values()))
-        self.conn.send(("loaded", key))
+        self.send(messages.Loaded(key))
 
     def _drop(self, key: str) -> None:
         self.read_slots.pop(key, None)
@@ -302,50 +316,51 @@ class _Server:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # give the memory back to the device, not just to torch's cache
 
-    def on_drop(self, key: str) -> None:
-        self._drop(key)
+    def on_drop(self, msg: messages.Drop) -> None:
+        self._drop(msg.key)
         self._publish(param_bytes=pickling.param_bytes_all(m for m, _ in self.models.values()))
 
-    def on_digest(self, key: str) -> None:
+    def on_digest(self, msg: messages.Digest) -> None:
         """Name -> (shape, dtype, sha256 of the bytes) of every tensor this rank holds for ``key``
         (tests: did a worker receive exactly the slices it should have?)."""
-        module, _ = self.models[key]
-        self.conn.send(("digest", {name: tensor_digest(t) for name, t in named_tensors(module)}))
+        module, _ = self.models[msg.key]
+        self.send(messages.Digests({name: tensor_digest(t) for name, t in named_tensors(module)}))
 
-    def on_probe(self) -> None:
-        self.conn.send(("probe", probe.run(self.device, self.rank, self.boot["world_size"])))
+    def on_probe(self, msg: messages.Probe) -> None:
+        self.send(messages.ProbeResult(probe.run(self.device, self.rank, self.boot["world_size"])))
 
-    def on_calibrate(self, run: dict, layouts: list) -> None:
-        timings = calibrate(run, layouts, self.device)
+    def on_calibrate(self, msg: messages.Calibrate) -> None:
+        timings = calibrate(msg.run, msg.layouts, self.device)
         factor = slow_factor(self.rank)
         if factor != 1.0:  # the test knob's slower rank measures slower too
             timings = {"sites": {k: v * factor for k, v in timings["sites"].items()},
                        "matmul_flops_per_s": timings["matmul_flops_per_s"] / factor}
-        self.conn.send(("calibrate", timings))
+        self.send(messages.Timings(timings))
 
-    def on_mesh(self, sizes: list) -> None:
+    def on_mesh(self, msg: messages.Mesh) -> None:
         """Form the process groups of another layout (rank 0 does the same, in the same order)."""
-        layout = MeshLayout(tuple(sizes))
+        layout = MeshLayout(tuple(msg.sizes))
         self.meshes[layout.sizes] = ProcessMesh(layout, self.rank, self.process_groups)
 
-    def on_forward(self, key: str, method_name: str, spec, meta, distributed_attention: bool, compile=None,
-                   layout=None, weights=(), ulysses=(1, True), prompt=None, patch_keys=()) -> None:
-        memory.PEAKS.begin(prompt, self.device)  # a new prompt: this rank's memory peaks start again
+    def on_forward(self, msg: messages.Forward) -> None:
+        key, meta, run = msg.key, msg.meta, msg.settings
+        compile = run.compile
+        memory.PEAKS.begin(msg.prompt, self.device)  # a new prompt: this rank's memory peaks start again
         started = time.perf_counter()
         self._maybe_inject_fault("start")
         module, plan = self.models[key]
         tensors = protocol.broadcast_tensors(None, meta, self.device)
         self._maybe_inject_fault("inputs")
-        args, kwargs = protocol.unflatten(spec, tensors)
-        method = getattr(module, method_name)
+        args, kwargs = protocol.unflatten(msg.spec, tensors)
+        method = getattr(module, msg.method)
         if compile is not None and compile_regions.watch().listener is None:
             compile_regions.watch().listener = self._publish_compile
-        mesh = self.meshes[tuple(layout)] if layout is not None else self.mesh
+        mesh = self.meshes[tuple(run.layout)] if run.layout is not None else self.mesh
         with torch.inference_mode(), compile_regions.watched(compile, (key, repr(mesh.layout.sizes)), meta):
             with _slowed(module, plan, self.rank):
                 run_sharded(module, plan, mesh, method, method, args, kwargs,
-                            distributed_attention=distributed_attention, compile=compile, weights=weights,
-                            ulysses=tuple(ulysses), patch_models=[self.models[k][0] for k in patch_keys])
+                            distributed_attention=run.distributed_attention, compile=compile, weights=run.weights,
+                            ulysses=tuple(run.ulysses), patch_models=[self.models[k][0] for k in msg.patch_keys])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not the time to queue its kernels
         row = self.status_table[self.rank]
@@ -382,15 +397,15 @@ class _Server:
         if self.remote:  # no shared table across hosts: rank 0's watchdog reads it from a "stats" message
             self._send_stats()
 
-    def on_trim(self) -> None:
+    def on_trim(self, msg: messages.Trim) -> None:
         """Rank 0 asks for the freed heap back now (memory figures)."""
         if self.device.type == "cpu":
             release_free_heap(collect=False)
         self.heap_to_trim = False
-        self.conn.send(("trimmed", self.rank))
+        self.send(messages.Trimmed(self.rank))
 
-    def on_ping(self) -> None:
-        self.conn.send(("pong", self.rank))
+    def on_ping(self, msg: messages.Ping) -> None:
+        self.send(messages.Pong(self.rank))
 
     def _publish(self, param_bytes: int) -> None:
         self.status_table[self.rank][1] = float(param_bytes)
@@ -408,7 +423,7 @@ class _Server:
         if forward_done:
             row[2] += 1
         if self.remote:
-            self.conn.send(("stats", self.status_table[self.rank].tolist() + [psutil.Process().memory_info().rss]))
+            self.send(messages.Stats(self.status_table[self.rank].tolist() + [psutil.Process().memory_info().rss]))
 
 
 SLOW_RANK_ENV = "PARALLEL_TEST_SLOW_RANK"

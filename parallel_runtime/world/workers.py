@@ -6,6 +6,8 @@ import logging
 import subprocess
 import threading
 
+from ..distributed import messages
+
 log = logging.getLogger("parallel")
 
 
@@ -58,15 +60,19 @@ class _Worker:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else self.remote_pid
 
+    def send(self, record) -> None:
+        """A message to the worker (distributed/messages.py)."""
+        self.conn.send(messages.wire(record))
+
     def recv(self, timeout: float):
-        """One message, or None when nothing arrived within ``timeout``."""
+        """One message (a record), or None when nothing arrived within ``timeout``."""
         with self._recv_lock:
             if self._inbox:
                 return self._inbox.popleft()
             try:
                 if not self.conn.poll(timeout):
                     return None
-                return self.conn.recv()
+                return messages.unwire(self.conn.recv())
             except (EOFError, OSError):
                 self.lost = True
                 raise
@@ -77,14 +83,14 @@ class _Worker:
         with self._recv_lock:
             try:
                 while self.conn is not None and self.conn.poll(0):
-                    msg = self.conn.recv()
-                    if msg and msg[0] == "stats":
-                        self.stats = msg[1]
-                    elif msg and msg[0] == "released":
+                    msg = messages.unwire(self.conn.recv())
+                    if isinstance(msg, messages.Stats):
+                        self.stats = msg.row
+                    elif isinstance(msg, messages.Released):
                         self.released = True
                     else:
-                        if msg and msg[0] == "error" and self.reported_error is None:
-                            self.reported_error = msg[2]
+                        if isinstance(msg, messages.Error) and self.reported_error is None:
+                            self.reported_error = msg.report
                         self._inbox.append(msg)
             except (EOFError, OSError):
                 self.lost = True

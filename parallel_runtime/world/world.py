@@ -41,7 +41,7 @@ from .spawn import PACK_ROOT, start_local_worker
 from .watchdog import Watchdog, prepare_nccl_environment
 from .workers import WorkerFailure, WorldStartError, _Worker
 from ..config import MESH_DIMS, ParallelConfig
-from ..distributed import comm
+from ..distributed import comm, messages
 from ..distributed.mesh import MeshLayout, ProcessMesh
 from ..layout import probe
 from ..layout.auto import AutoLayouts
@@ -158,17 +158,17 @@ class World(Dispatch):
             self.workers.append(_Worker(rank, self.config.devices[rank], proc))
         for host, boots in remote.items():
             conn, _ = cluster.agent(host, settings.STARTUP_TIMEOUT_S)
-            conn.send(("spawn", boots))
+            conn.send(messages.wire(messages.Spawn(boots)))
         self._accept_all(time.monotonic() + settings.STARTUP_TIMEOUT_S)
         for w in self.workers:
-            w.conn.send(("status_table", None if w.host else _pickled_shared(self._status_table)))
+            w.send(messages.StatusTable(None if w.host else _pickled_shared(self._status_table)))
             w.maps_status_table = w.host is None
         dist.init_process_group(self.config.backend, store=self._store, rank=0, world_size=self.world_size,
                                 timeout=timeout)
         self.mesh = ProcessMesh(self.layout, 0, self._process_groups)
         self.meshes[self.layout.sizes] = self.mesh
         for w in self.workers:
-            self.expect(w, "ready", time.monotonic() + settings.STARTUP_TIMEOUT_S)
+            self.expect(w, messages.Ready, time.monotonic() + settings.STARTUP_TIMEOUT_S)
         self._probe()
 
     def _probe(self):
@@ -178,11 +178,12 @@ class World(Dispatch):
         if self.probe is not None or os.environ.get(settings.PROBE_ENV, "1") == "0" and not self.config.auto_layout:
             return
         for w in self.workers:
-            w.conn.send(("probe",))
+            w.send(messages.Probe())
         with self._threads():
             mine = probe.run(self.device, 0, self.world_size)
         deadline = time.monotonic() + settings.STARTUP_TIMEOUT_S
-        self.probe = probe.combine([mine] + [self.expect(w, "probe", deadline)[1] for w in self.workers])
+        self.probe = probe.combine([mine] + [self.expect(w, messages.ProbeResult, deadline).result
+                                             for w in self.workers])
         probe.remember(key, self.probe)
         log.info("parallel world: %s", probe.describe(self.probe))
 
@@ -202,11 +203,11 @@ class World(Dispatch):
         while pending:
             while accepted:
                 conn = accepted.pop()
-                msg = conn.recv()
-                if msg[0] != "hello" or msg[1] not in pending:
+                msg = messages.unwire(conn.recv())
+                if not isinstance(msg, messages.Hello) or msg.rank not in pending:
                     raise WorldStartError(f"unexpected first message from a worker: {msg!r}")
-                worker = pending.pop(msg[1])
-                worker.conn, worker.remote_pid = conn, msg[2]
+                worker = pending.pop(msg.rank)
+                worker.conn, worker.remote_pid = conn, msg.pid
             for w in pending.values():
                 if w.proc is not None and not w.alive:
                     time.sleep(0.2)  # let the relay thread collect the last lines
@@ -216,29 +217,28 @@ class World(Dispatch):
                 raise WorldStartError(f"ranks {sorted(pending)} did not connect within {settings.STARTUP_TIMEOUT_S:.0f}s")
             time.sleep(0.02)
 
-    def expect(self, w: _Worker, kind: str | tuple[str, ...], deadline: float, patient: bool = False,
+    def expect(self, w: _Worker, kind: type | tuple[type, ...], deadline: float, patient: bool = False,
                waiting=None):
-        """The next message of ``w``, which must be ``kind`` (or one of them; "stats" reports are taken
-        in passing). ``patient``: while the world progresses (a worker reading a big checkpoint cold
-        ticks its progress per tensor) the deadline moves on by the start-up timeout: a long load is
-        no hang. ``waiting()`` is called every 50 ms without an answer."""
+        """The next message of ``w``, which must be a ``kind`` record (distributed/messages.py; Stats
+        reports are taken in passing). ``patient``: while the world progresses (a worker reading a
+        big checkpoint cold ticks its progress per tensor) the deadline moves on by the start-up
+        timeout: a long load is no hang. ``waiting()`` is called every 50 ms without an answer."""
         progress = self._progress() if patient else None
-        kinds = (kind,) if isinstance(kind, str) else kind
         while True:
             try:
                 msg = w.recv(0.05)
             except (EOFError, OSError):
                 raise WorkerFailure(self._death_report(w))
             if msg is not None:
-                if msg[0] in kinds:
+                if isinstance(msg, kind):
                     return msg
-                if msg[0] == "stats":
-                    w.stats = msg[1]
+                if isinstance(msg, messages.Stats):
+                    w.stats = msg.row
                     continue
-                if msg[0] == "error":
-                    w.reported_error = msg[2]
-                    raise WorkerFailure(f"rank {w.rank} failed:\n{msg[2]}")
-                raise WorldStartError(f"rank {w.rank} answered {msg[0]!r} where {kind!r} was expected")
+                if isinstance(msg, messages.Error):
+                    w.reported_error = msg.report
+                    raise WorkerFailure(f"rank {w.rank} failed:\n{msg.report}")
+                raise WorldStartError(f"rank {w.rank} answered {type(msg).__name__} where {kind} was expected")
             if not w.alive:
                 raise WorkerFailure(self._death_report(w))
             if waiting is not None:
@@ -290,7 +290,7 @@ class World(Dispatch):
         for w in self.workers:
             try:
                 if w.conn is not None and w.alive:
-                    w.conn.send(("shutdown",))
+                    w.send(messages.Shutdown())
             except (OSError, EOFError):
                 pass
 
