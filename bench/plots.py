@@ -6,7 +6,8 @@ Writes speedup.png (speedup against world size, per mode, with the ideal line),
 memory.png (weights and peak RSS of the largest rank, per scenario), table.md and
 comparison.md (this pack against the peers, per round) from the records of all the files;
 cache.md and cache.png from the ``cache`` suite's records (bench/cache_bench.py); controlnet.md from
-the ``controlnet`` suite's (bench/controlnet_bench.py).
+the ``controlnet`` suite's (bench/controlnet_bench.py); <file>.png from the ``load`` suite's record in
+<file>.json (bench/load.py) or <file>.jsonl (run.py --suite load).
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from statistics import median
 
 
 def load(path: Path) -> list[dict]:
+    """The records of a JSON-lines file, or of a .json file holding one record (bench/load.py's) or a list."""
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else [data]
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -90,29 +95,37 @@ def comparison(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def plot(records_paths: list[Path], out_dir: Path) -> None:
-    files = [load(path) for path in records_paths]
+def _suites_of_their_own(paths: list[Path], out_dir: Path) -> list[list[dict]]:
+    """controlnet.md from the ``controlnet`` suite's records (a table only: no matplotlib needed),
+    cache.md and cache.png from the ``cache`` suite's and, from the ``load`` suite's, a picture named
+    after its file (one run a record: the file's last one stays); the other records of each file."""
+    files = [load(path) for path in paths]
     controlnet = [r for records in files for r in records if r.get("controlnet_ways")]
-    if controlnet:  # a table only: no matplotlib needed
+    if controlnet:
         from controlnet_bench import controlnet_table
 
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "controlnet.md").write_text(controlnet_table(controlnet))
-        files = [[r for r in records if not r.get("controlnet_ways")] for records in files]
-        if not any(files):
-            return
+    cached = [r for records in files for r in records if r.get("cache_variants")]
+    if cached:
+        plot_cache(cached, out_dir)
+    for path, records in zip(paths, files):
+        for record in [r for r in records if r.get("suite") == "load"]:
+            plot_load(record, out_dir / f"{path.stem}.png")
+    return [[r for r in records if not (r.get("controlnet_ways") or r.get("cache_variants") or r.get("suite") == "load")]
+            for records in files]
+
+
+def plot(records_paths: list[Path], out_dir: Path) -> None:
+    files = _suites_of_their_own(records_paths, out_dir)
+    if not any(files):
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cached = [r for records in files for r in records if r.get("cache_variants")]
-    if cached:
-        plot_cache(cached, out_dir)
-    files = [[r for r in records if not r.get("cache_variants")] for records in files]
     every = [r for records in files for r in records]
-    if not every:
-        return
     records = [r for r in every if not r.get("failure")]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(table(every) + "\n")
@@ -192,6 +205,101 @@ def plot_cache(records: list[dict], out_dir: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_dir / "cache.png", dpi=120)
+    plt.close(fig)
+
+
+def _case_label(row: dict) -> str:
+    layout = {"unsharded": "unsharded", "tp2": "TP 2", "ulysses2": "Ulysses 2", "ulysses2_tp2": "U2 x TP 2"}
+    return "\n".join([layout.get(row["layout"], row["layout"])]
+                     + (["stream"] if row.get("transport") == "process_group" else [])
+                     + (["cold"] if row.get("cache") == "cold" else []))
+
+
+def _load_times(ax, result: dict) -> None:
+    rows, reads = result["rows"], result.get("reference_reads") or {}
+    xs = range(len(rows))
+    first = [r["first_step_s"] or 0 for r in rows]
+    comfy = [min(r.get("comfyui_load_s") or 0, f) for r, f in zip(rows, first)]
+    ax.bar(xs, comfy, color="tab:gray", label="ComfyUI loads the file (its UNETLoader)")
+    ax.bar(xs, [f - c for f, c in zip(first, comfy)], bottom=comfy, color="tab:blue", label="then to the first step done")
+    ax.bar(xs, [r["seconds"] - f for r, f in zip(rows, first)], bottom=first, color="tab:blue", alpha=0.35,
+           label="rest of the prompt (the second step)")
+    for key, style in (("warm_s", ":"), ("cold_s", "--")):
+        if reads.get(key):
+            ax.axhline(reads[key], color="k", linestyle=style, linewidth=1,
+                       label=f"reading the file once, {key[:4]} ({reads[key]:.2f} s)")
+    ax.set_ylabel("s from queueing the prompt")
+    ax.set_title("First prompt on the model (2 steps)", fontsize=9)
+
+
+def _load_memory(ax, result: dict) -> None:
+    rows = result["rows"]
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["growth"] / 1e9 for r in rows], width=0.4, label="after the prompt")
+    ax.bar([x + 0.2 for x in xs], [r["peak_growth"] / 1e9 for r in rows], width=0.4, label="peak during it")
+    ax.axhline(result["model_bytes"] / 1e9, color="k", linestyle=":", linewidth=1, label="the model file")
+    ax.set_ylabel("GB")
+    ax.set_title("Summed PSS growth of ComfyUI's process tree", fontsize=9)
+
+
+def _load_bytes(ax, result: dict) -> None:
+    rows = result["rows"]
+    xs = range(len(rows))
+    read = [sum(r["file_read_bytes"] or 0 for r in row["ranks"][1:]) / 1e9 for row in rows]
+    got = [sum(r.get("received_bytes") or 0 for r in row["ranks"][1:]) / 1e9 for row in rows]
+    stream = [row.get("transport") != "shared" for row in rows]
+    ax.bar(xs, read, color="tab:green", label="read from the file by the workers")
+    ax.bar(xs, [g if s else 0 for g, s in zip(got, stream)], bottom=read, color="tab:orange",
+           label="received over the stream")
+    ax.bar(xs, [0 if s else g for g, s in zip(got, stream)], bottom=read, color="tab:gray", hatch="//",
+           label="mapped from rank 0's shared pages (no copy)")
+    ax.set_ylim(0, max([r + g for r, g in zip(read, got)] + [0]) * 1.4 or 1)  # room for the legend
+    ax.set_ylabel("GB, all workers")
+    ax.set_title("How the workers got the weights", fontsize=9)
+
+
+def _load_follow_ups(ax, result: dict) -> None:
+    rows = [r for r in result["rows"] if r.get("lora")]
+    names = ["two models, 1st", "two models, 2nd", f"LoRA {rows[0]['lora'][0]['strength'] if rows else ''}",
+             f"LoRA to {rows[0]['lora'][1]['strength'] if rows else ''}"]
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        runs = [(r["two_models"] + r["lora"])[i] for r in rows]
+        bars = ax.bar([x + (i - 1.5) * width for x in range(len(rows))], [f["seconds"] for f in runs], width=width,
+                      label=name)
+        for bar, f in zip(bars, runs):
+            ax.annotate(str(f["weight_sends"]), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=6)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([_case_label(r) for r in rows], fontsize=7)
+    ax.set_ylabel("s (weight sends on top)")
+    ax.set_title("Later prompts: two models in turn, a LoRA", fontsize=9)
+
+
+def plot_load(result: dict, path: Path) -> None:
+    """bench/load.py's record as a picture: the first prompt's times against reading the file once,
+    the host memory growth, how the workers got their bytes, and the later prompts (with follow-ups)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    follow = any(r.get("lora") for r in result["rows"])
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8)) if follow else plt.subplots(1, 3, figsize=(15, 4))
+    panels = [_load_times, _load_memory, _load_bytes] + ([_load_follow_ups] if follow else [])
+    for ax, draw in zip(axes.flat, panels):
+        draw(ax, result)
+        if draw is not _load_follow_ups:
+            ax.set_xticks(range(len(result["rows"])))
+            ax.set_xticklabels([_case_label(r) for r in result["rows"]], fontsize=7)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"bench/load.py: a {result['model_bytes'] / 1e9:.1f} GB Wan-shaped model, ComfyUI "
+                 f"{result.get('comfyui')}, load average {result['load_average_start'][0]} to "
+                 f"{result['load_average_end'][0]}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

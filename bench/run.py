@@ -387,13 +387,12 @@ def main() -> int:
             f.write(json.dumps(record) + "\n")
 
     for round_ in range(1, opts.rounds + 1):
-        if opts.suite == "load":  # real ComfyUI servers, one per layout (bench/load.py)
+        if opts.suite == "load":  # real ComfyUI servers, one per case (bench/load.py): one record a run
             import load
 
-            for record in load.run(load.comfyui_path("")):
-                write(record, round_)
-                print(f"[bench] load {record['layout']}: growth {record['growth_ratio']:.2f}x, peak "
-                      f"{record['peak_ratio']:.2f}x, first prompt {record['time_ratio']:.2f}x", file=sys.stderr)
+            record = load.benchmark(load.comfyui_path(""))
+            write(record, round_)
+            print(f"[bench] load: {len(record['rows'])} cases in {record['run_s']:.0f} s", file=sys.stderr)
             continue
         for scenario in select(opts.suite, opts.scenario):
             print(f"[bench] {scenario.name}: {scenario.mode} {scenario.mesh} on {opts.device}, {scenario.tokens} tokens",

@@ -282,3 +282,81 @@ def test_uneven_heads_prediction_charges_the_padded_share():
     assert wan_u["heads_per_rank"] == 14 and wan_u["attention_ms"] / wan_r["attention_ms"] == pytest.approx(1.05, 0.01)
     flux_u, flux_r = rows[("Flu", "ulysses3")], rows[("Flu", "ring3")]
     assert flux_u["heads_per_rank"] == 8 and flux_u["attention_ms"] == pytest.approx(flux_r["attention_ms"], 0.01)
+
+
+def test_load_cases_and_ratios():
+    """bench/load.py: a case is layout[/transport][/cold]; each row's times and memory are set against
+    the unsharded row of its page-cache state, and its first step against reading the file once."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import load
+
+    assert load.Case.parse("ulysses2/process_group/cold") == load.Case("ulysses2", "process_group", True)
+    assert load.Case.parse("tp2").name == "tp2" and load.Case.parse("unsharded/cold").name == "unsharded/cold"
+    assert [load.Case.parse(c).name for c in load.DEFAULT_CASES] == list(load.DEFAULT_CASES)
+    with pytest.raises(ValueError):
+        load.Case.parse("tp3/shared")
+    rows = [{"layout": layout, "cache": cache, "growth": g, "peak_growth": 2 * g, "seconds": s, "first_step_s": s / 2}
+            for layout, cache, g, s in (("unsharded", "warm", 100, 2.0), ("tp2", "warm", 110, 3.0),
+                                        ("unsharded", "cold", 100, 4.0), ("tp2", "cold", 120, 5.0))]
+    load.ratios(rows, {"warm_s": 0.5, "cold_s": 1.0})
+    assert [r["growth_ratio"] for r in rows] == [1.0, 1.1, 1.0, 1.2]
+    assert rows[1]["time_ratio"] == rows[1]["first_step_ratio"] == 1.5 and rows[3]["time_ratio"] == 1.25
+    assert rows[1]["first_step_over_read"] == 3.0 and rows[3]["first_step_over_read"] == 2.5
+
+
+@pytest.mark.comfy_server
+def test_load_bench_on_the_stream_cold_with_a_lora_and_two_models(tmp_path, comfyui_path):
+    """bench/load.py's paths other than the memory test's, on a small model (about 0.3 GB) in one
+    server: the file read once warm and cold (evicted without root's rights), TP 2 over the stream
+    with the page cache cold, each worker reading its slices from the file and receiving nothing, then
+    two models in turn (the second run sends nothing) and a LoRA applied and changed (each worker
+    receives the patched slices only, keeping the rest it read)."""
+    from pathlib import Path
+
+    if "cached_patcher_init" not in (Path(comfyui_path) / "comfy" / "model_patcher.py").read_text():
+        pytest.skip("this ComfyUI does not record the file a model came from (0.33 does): no file reads")
+    sys.path.insert(0, str(REPO / "bench"))
+    import load
+
+    files = load.write_models(tmp_path, 0.2, follow_ups=True)
+    reads = load.reference_reads(files["path"])
+    assert reads["fadvise_ok"] and reads["evicted"] and reads["resident_after"] in (0, None), reads
+    row = load.measure(comfyui_path, tmp_path, load.Case.parse("tp2/process_group/cold"), follow_ups=True, settle_s=0)
+    print(f"\n{load.summary(row)}")
+    assert row["transport"] == "process_group" and row["weight_sends"] == 1 and row["evicted"]["fadvise_ok"]
+    assert 0 < row["comfyui_load_s"] < row["first_step_s"] <= row["seconds"]
+    # the sampler's two steps, told apart from the runtime's load bar on the same node (percent)
+    assert [v for _, what, v in row["timeline"] if what == "KSampler" and v is not None] == [1, 2]
+    planned = row["last_weight_send"]["file_reads"]["bytes_per_worker"][0]
+    assert planned > 0.4 * files["model_bytes"]
+    assert [(r["file_read_bytes"], r["received_bytes"]) for r in row["ranks"][1:]] == [(planned, 0)]
+    assert [f["weight_sends"] for f in row["two_models"]] == [1, 0] and row["two_models"][1]["models_held"] == 2
+    applied, changed = row["lora"]
+    assert applied["weight_sends"] == changed["weight_sends"] == 1
+    (worker,) = changed["ranks"][1:]
+    assert worker["file_read_bytes"] == 0 and worker["kept_bytes"] > 0
+    assert 0 < worker["received_bytes"] <= files["lora_patched_bytes"] / 2 * 1.01
+
+
+def test_load_picture(tmp_path):
+    """bench/plots.py draws bench/load.py's record (where matplotlib is installed: bench/setup_peers.sh)."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "bench"))
+    import plots
+
+    def rank(n, read, got):
+        return {"rank": n, "file_read_bytes": read, "received_bytes": got}
+
+    def later(sends):
+        return {"seconds": 1.0, "weight_sends": sends}
+
+    rows = [{"layout": layout, "transport": transport, "cache": "warm", "first_step_s": 1.0, "seconds": 1.5,
+             "growth": 1e9, "peak_growth": 2e9, "ranks": [rank(0, 0, None), rank(1, read, got)],
+             "two_models": [later(1), later(0)], "lora": [{"strength": 0.8, **later(1)}, {"strength": 0.5, **later(1)}]}
+            for layout, transport, read, got in (("unsharded", "shared", 0, 0), ("tp2", "process_group", 5e8, 0),
+                                                 ("ulysses2", "shared", 0, 1e9))]
+    record = {"suite": "load", "rows": rows, "model_bytes": 1e9, "comfyui": "0.33.0", "load_average_start": [1.0],
+              "load_average_end": [2.0], "reference_reads": {"warm_s": 0.3, "cold_s": 0.9}}
+    (tmp_path / "load_x.json").write_text(json.dumps(record))
+    plots.plot([tmp_path / "load_x.json"], tmp_path / "out")
+    assert (tmp_path / "out" / "load_x.png").stat().st_size > 10_000
