@@ -557,6 +557,7 @@ WORLDS = {
 }
 
 
+@pytest.mark.smoke  # CI's tier on 0.3.75 too: every figure fits at 4 and 8 ranks on both front ends
 @pytest.mark.parametrize("world", sorted(WORLDS))
 def test_panel_in_larger_worlds(browser, tiny_server, world):
     open_front_end(browser, tiny_server)
